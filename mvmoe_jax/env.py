@@ -1,0 +1,172 @@
+"""Pure-functional environment for all 16 variants, written for ONE partial solution.
+
+The behaviour is that of ``shared/docs/ENV_SEMANTICS.md`` (the reference implementation's masks and
+costs, float32, eps = 1e-5). Variant flags live in the instance as arrays, so one compiled function
+serves every variant; ``jax.vmap`` lifts the functions over POMO starts and the batch (see the
+``batch_*`` forms below, which share the instance across the POMO axis instead of copying it).
+
+Public contract::
+
+    s = reset(inst)          # vehicle at the depot (the state after the reference's forced first move)
+    m = action_mask(s)       # bool[n+1], True = feasible next node, 0 = depot
+    s = step(s, a)           # a: node index
+    done(s)                  # all customers served and back at the depot
+    cost(s)                  # tour length so far (open variants: moves into the depot cost 0)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mvmoe_jax.instances import Instance
+
+EPS = 1e-5
+
+# Feasibility rules, in the order of ENV_SEMANTICS.md; ``violations`` returns one row per rule.
+RULES = ("visited", "capacity", "backhaul_overload", "route_limit", "time_window", "depot_closing",
+         "finished")
+
+
+@struct.dataclass
+class State:
+    """One partial solution (batched forms add leading axes to every field except ``instance``'s own).
+
+      instance:  the Instance being solved.
+      current:   int32 ()      node the vehicle stands on.
+      load:      float32 ()    remaining load (capacity normalised to 1).
+      time:      float32 ()    time after serving ``current`` (0 without TW, 0 at the depot).
+      length:    float32 ()    length of the current route (0 at the depot).
+      cost:      float32 ()    total tour length so far (open variants: moves into the depot cost 0).
+      visited:   bool (n+1,)   customers served; the depot's entry is True only while standing on it.
+      finished:  bool ()       every customer served and back at the depot.
+      num_steps: int32 ()      moves made since reset (the forced depot move not counted).
+    """
+
+    instance: Instance
+    current: jax.Array
+    load: jax.Array
+    time: jax.Array
+    length: jax.Array
+    cost: jax.Array
+    visited: jax.Array
+    finished: jax.Array
+    num_steps: jax.Array
+
+
+def _dist_from(locs: jax.Array, node: jax.Array) -> jax.Array:
+    """(n+1,) Euclidean distances from ``node`` to every node, computed as the reference does."""
+    return jnp.sqrt(jnp.sum((locs - locs[node]) ** 2, axis=-1))
+
+
+def _initial(inst: Instance) -> State:
+    n1 = inst.locs.shape[-2]
+    f32 = lambda v: jnp.asarray(v, jnp.float32)
+    return State(instance=inst, current=jnp.int32(0), load=f32(1.0), time=f32(0.0), length=f32(0.0),
+                 cost=f32(0.0), visited=jnp.zeros((n1,), bool), finished=jnp.asarray(False),
+                 num_steps=jnp.int32(-1))
+
+
+def reset(inst: Instance) -> State:
+    """The state after the forced first move to the depot (vehicle at the depot, full)."""
+    return step(_initial(inst), jnp.int32(0))
+
+
+def step(state: State, action: jax.Array) -> State:
+    """Move the vehicle to node ``action`` (no feasibility check: see ``action_mask``)."""
+    inst = state.instance
+    a = jnp.asarray(action, jnp.int32)
+    d = _dist_from(inst.locs, state.current)[a]
+    at_depot = a == 0
+
+    load = jnp.where(at_depot, 1.0, state.load - inst.demand[a])
+    length = jnp.where(at_depot, 0.0, state.length + d)
+    arrival = jnp.maximum(state.time + d, inst.tw_start[a]) + inst.service_time[a]
+    time = jnp.where(at_depot | ~inst.has_tw, 0.0, arrival)
+
+    visited = state.visited.at[a].set(True).at[0].set(at_depot)
+    # Back at the depot with only backhauls left: the vehicle leaves empty and picks up.
+    linehaul_left = jnp.any(~visited & (inst.demand > 0))
+    load = jnp.where(at_depot & ~linehaul_left, 0.0, load)
+
+    step_cost = jnp.where(inst.is_open & at_depot, 0.0, d)
+    return state.replace(
+        current=a, load=load.astype(jnp.float32), time=time.astype(jnp.float32),
+        length=length.astype(jnp.float32), cost=state.cost + step_cost, visited=visited,
+        finished=state.finished | jnp.all(visited), num_steps=state.num_steps + 1)
+
+
+def violations(state: State) -> jax.Array:
+    """bool (len(RULES), n+1): which feasibility rule forbids each next node (any True = infeasible)."""
+    inst = state.instance
+    demand = inst.demand
+    d_cur = _dist_from(inst.locs, state.current)
+    d_depot = _dist_from(inst.locs, jnp.int32(0))
+    is_depot = jnp.arange(demand.shape[-1]) == 0
+    close = inst.tw_end[0]
+
+    visited = state.visited
+    capacity = state.load + EPS < demand
+    overload = inst.has_backhaul & (state.load - demand > 1.0 + EPS)
+    closed_limit = state.length + d_cur + d_depot > inst.route_limit + EPS
+    open_limit = (state.length + d_cur > inst.route_limit + EPS) & ~is_depot
+    route_limit = inst.has_limit & jnp.where(inst.is_open, open_limit, closed_limit)
+    start = jnp.maximum(state.time + d_cur, inst.tw_start)
+    late = (start > inst.tw_end + EPS) & ~(is_depot & inst.is_open)
+    time_window = inst.has_tw & late
+    depot_closing = inst.has_tw & ~inst.is_open & (start + inst.service_time + d_depot > close + EPS)
+
+    rules = jnp.stack([visited, capacity, overload, route_limit, time_window, depot_closing,
+                       jnp.zeros_like(visited)])
+    # A finished trajectory may only stay at the depot.
+    finished_rules = jnp.zeros_like(rules).at[-1].set(~is_depot)
+    return jnp.where(state.finished, finished_rules, rules)
+
+
+def action_mask(state: State) -> jax.Array:
+    """bool (n+1,): True where the next node is feasible."""
+    return ~jnp.any(violations(state), axis=0)
+
+
+def done(state: State) -> jax.Array:
+    return state.finished
+
+
+def cost(state: State) -> jax.Array:
+    return state.cost
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batched forms: states of shape (batch, pomo); the instance has only the batch axis.
+# ----------------------------------------------------------------------------------------------------
+
+def _axes(instance_axis):
+    fields = {f: 0 for f in State.__dataclass_fields__ if f != "instance"}
+    return State(instance=instance_axis, **fields)
+
+
+_POMO = _axes(None)   # inner vmap: the instance is shared by the POMO starts
+
+
+def _lift(fn, out_state: bool):
+    inner = jax.vmap(fn, in_axes=(_POMO, 0) if fn is step else (_POMO,),
+                     out_axes=_POMO if out_state else 0)
+    return jax.vmap(inner, in_axes=(0, 0) if fn is step else (0,), out_axes=0)
+
+
+batch_step = _lift(step, True)
+batch_step.__doc__ = "step for states (batch, pomo) and actions int (batch, pomo)."
+batch_action_mask = _lift(action_mask, False)
+batch_action_mask.__doc__ = "action_mask for states (batch, pomo) -> bool (batch, pomo, n+1)."
+
+
+def batch_reset(instances: Instance, pomo_size: int) -> State:
+    """Reset a batch of instances (leading batch axis) into states of shape (batch, pomo)."""
+    single = jax.vmap(reset)(instances)
+
+    def expand(x):
+        return jnp.broadcast_to(x[:, None], (x.shape[0], pomo_size) + x.shape[1:])
+
+    fields = {f: expand(getattr(single, f)) for f in State.__dataclass_fields__ if f != "instance"}
+    return State(instance=instances, **fields)
