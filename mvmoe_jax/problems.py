@@ -99,7 +99,8 @@ def parse_variants(spec: str | Sequence[str]) -> list[Variant]:
         items = spec
     out = [get_variant(s) for s in items]
     if not out:
-        raise UnknownVariantError(f"no variant given in {spec!r}")
+        raise UnknownVariantError(f"no variant given in {spec!r}; expected ALL, TRAIN, UNSEEN or a comma "
+                                  f"list of: {', '.join(VARIANT_NAMES)}")
     return out
 
 

@@ -1,0 +1,188 @@
+"""Solution checker: replay routes through the environment and report feasibility and cost.
+
+A route is a flat list of node indices with 0 between sub-tours, as in the paper's solution files: the
+leading depot is omitted (a leading 0 is accepted too) and the final return to the depot is implied (a
+trailing 0 is accepted too). Replaying uses exactly the environment's masks, so "feasible" means "a
+policy acting in our environment could have produced this route".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mvmoe_jax import env
+from mvmoe_jax.instances import Instance
+
+# Rule index returned for a route that ends before every customer is served.
+UNSERVED = len(env.RULES)
+RULE_NAMES = env.RULES + ("unserved_customers",)
+
+
+class InfeasibleInstanceError(ValueError):
+    """An instance has a customer that no route can serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteCheck:
+    """Outcome of replaying one route.
+
+    feasible:  every move allowed by the environment and every customer served.
+    violation: name of the first rule broken (``RULE_NAMES``), or None.
+    position:  index in the route of the first infeasible move (None if feasible or only unserved).
+    node:      the node that move went to.
+    cost:      the route's cost under the environment (open variants: moves into the depot cost 0),
+               computed whether or not the route is feasible.
+    """
+
+    feasible: bool
+    violation: str | None
+    position: int | None
+    node: int | None
+    cost: float
+
+
+def _normalise(route: Sequence[int], num_customers: int, index: int) -> list[int]:
+    try:
+        nodes = [int(v) for v in route]
+    except (TypeError, ValueError):
+        raise ValueError(f"route {index}: node indices must be integers") from None
+    if nodes and nodes[0] == 0:
+        nodes = nodes[1:]
+    bad = [v for v in nodes if not 0 <= v <= num_customers]
+    if bad:
+        raise ValueError(f"route {index}: node index {bad[0]} out of range 0..{num_customers}")
+    if not nodes or nodes[-1] != 0:
+        nodes.append(0)
+    return nodes
+
+
+def _pad_routes(routes: Sequence[Sequence[int]], num_customers: int) -> tuple[np.ndarray, np.ndarray]:
+    """int32 (B, T) routes padded with the depot, and their true lengths (B,). T rounds up to 16 so
+    that datasets of similar route lengths share one compiled replay."""
+    norm = [_normalise(r, num_customers, i) for i, r in enumerate(routes)]
+    lengths = np.array([len(r) for r in norm], np.int32)
+    width = int(-(-max(lengths.max(), 1) // 16) * 16)
+    padded = np.zeros((len(norm), width), np.int32)
+    for i, r in enumerate(norm):
+        padded[i, :len(r)] = r
+    return padded, lengths
+
+
+@jax.jit
+def _replay(inst: Instance, actions: jax.Array, length: jax.Array):
+    """One route: actions int (T,), valid prefix ``length``. Returns (rule, position, finished, cost)."""
+    def body(carry, xs):
+        state, rule, pos = carry
+        t, a = xs
+        broken = env.violations(state)[:, a]                       # (num_rules,)
+        first = jnp.argmax(broken)
+        new_fault = (t < length) & jnp.any(broken) & (rule < 0)
+        rule = jnp.where(new_fault, first, rule)
+        pos = jnp.where(new_fault, t, pos)
+        # Past the route's end only depot moves remain; they cost nothing once finished.
+        state = jax.tree.map(lambda new, old: jnp.where(t < length, new, old), env.step(state, a), state)
+        return (state, rule, pos), None
+
+    init = (env.reset(inst), jnp.int32(-1), jnp.int32(-1))
+    steps = jnp.arange(actions.shape[0], dtype=jnp.int32)
+    (state, rule, pos), _ = jax.lax.scan(body, init, (steps, actions))
+    return rule, pos, state.finished, state.cost
+
+
+_replay_batch = jax.jit(jax.vmap(_replay))
+
+
+def check_routes(instances: Instance, routes: Sequence[Sequence[int]]) -> list[RouteCheck]:
+    """Check one route per instance of a batched Instance (leading batch axis)."""
+    n_inst = instances.locs.shape[0]
+    if len(routes) != n_inst:
+        raise ValueError(f"{len(routes)} routes for {n_inst} instances")
+    padded, lengths = _pad_routes(routes, instances.locs.shape[1] - 1)
+    rule, pos, finished, cost = jax.device_get(
+        _replay_batch(instances, jnp.asarray(padded), jnp.asarray(lengths)))
+    out = []
+    for i in range(n_inst):
+        r = int(rule[i])
+        if r < 0 and not finished[i]:
+            r = UNSERVED
+        if r < 0:
+            out.append(RouteCheck(True, None, None, None, float(cost[i])))
+        elif r == UNSERVED:
+            out.append(RouteCheck(False, RULE_NAMES[r], None, None, float(cost[i])))
+        else:
+            p = int(pos[i])
+            out.append(RouteCheck(False, RULE_NAMES[r], p, int(padded[i, p]), float(cost[i])))
+    return out
+
+
+def check_route(instance: Instance, route: Sequence[int]) -> RouteCheck:
+    """Check one route on a single (unbatched) Instance."""
+    batched = jax.tree.map(lambda x: jnp.asarray(x)[None], instance)
+    return check_routes(batched, [route])[0]
+
+
+def split_subtours(route: Sequence[int]) -> list[list[int]]:
+    """[a, b, 0, c] -> [[a, b], [c]] (empty sub-tours dropped)."""
+    tours, cur = [], []
+    for v in route:
+        if int(v) == 0:
+            if cur:
+                tours.append(cur)
+            cur = []
+        else:
+            cur.append(int(v))
+    if cur:
+        tours.append(cur)
+    return tours
+
+
+def actions_to_route(actions) -> list[int]:
+    """A decoded action sequence (depot-padded, starting after the forced depot move) -> the paper's
+    flat route format: repeated depots collapsed, leading and trailing depots dropped."""
+    out: list[int] = []
+    for v in np.asarray(actions).tolist():
+        if v == 0 and (not out or out[-1] == 0):
+            continue
+        out.append(int(v))
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+def _depot_roundtrip_ok(inst: Instance) -> jax.Array:
+    """bool (n,) for one instance: can customer i be served on a route of its own?
+
+    Linehauls from the full vehicle at the depot; backhauls from the state the environment reaches once
+    every linehaul is served (at the depot, leaving empty).
+    """
+    start = env.reset(inst)
+    empty = start.replace(visited=start.visited | (inst.demand > 0), load=jnp.float32(0.0))
+
+    def one(i):
+        s = jax.tree.map(lambda a, b: jnp.where(inst.demand[i] < 0, a, b), empty, start)
+        return env.action_mask(s)[i] & env.action_mask(env.step(s, i))[0]
+
+    return jax.vmap(one)(jnp.arange(1, inst.locs.shape[0]))
+
+
+unreachable_customers = jax.jit(jax.vmap(lambda inst: ~_depot_roundtrip_ok(inst)))
+unreachable_customers.__doc__ = "bool (B, n): customers no route of this environment can serve."
+
+
+def validate_instances(inst: Instance, source: str = "dataset") -> None:
+    """Raise InfeasibleInstanceError naming instances with a customer no route can serve (the decoder
+    would otherwise meet a state with no feasible move)."""
+    bad = np.asarray(unreachable_customers(inst))
+    if bad.any():
+        rows = np.flatnonzero(bad.any(1))
+        detail = "; ".join(f"instance {r}: customers {(np.flatnonzero(bad[r]) + 1).tolist()[:8]}"
+                           for r in rows[:5])
+        raise InfeasibleInstanceError(
+            f"{source}: {len(rows)} instance(s) have customers that cannot be served even on a route of their "
+            f"own (demand over capacity, window closed before arrival, or route limit too short): {detail}")

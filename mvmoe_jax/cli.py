@@ -1,0 +1,130 @@
+"""What the command-line entry points do, as plain functions (train.py / evaluate.py only parse flags)."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from mvmoe_jax import checkpoints, evaluation, io, problems
+from mvmoe_jax.nn.policy import PolicyConfig
+
+
+def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
+    """config.model (ConfigDict; expert_loc as a comma string, capacity_factor 0 = none) -> PolicyConfig."""
+    d = dict(model.to_dict() if hasattr(model, "to_dict") else model)
+    loc = d.get("expert_loc", ())
+    if isinstance(loc, str):
+        d["expert_loc"] = tuple(s.strip() for s in loc.split(",") if s.strip())
+    if not d.get("capacity_factor"):
+        d["capacity_factor"] = None
+    return PolicyConfig.from_dict(d)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[tuple[str, float, float, float | None, float]]) -> None:
+    print(f"{'variant':10s} {'obj':>9s} {'obj_no_aug':>10s} {'gap %':>8s} {'time s':>8s}")
+    for name, obj, no_aug, gap, secs in rows:
+        print(f"{name:10s} {obj:9.4f} {no_aug:10.4f} {_fmt(gap, '8.3f'):>8s} {secs:8.2f}")
+
+
+def run_evaluation(config: ml_collections.ConfigDict, flags: Any) -> dict:
+    """Evaluate a checkpoint on the paper's datasets (``flags.data_dir``) or on CVRPLIB / Solomon files
+    (``flags.vrplib_dir``). Returns the JSON-ready results."""
+    cfg, params = checkpoints.load_policy(flags.checkpoint, policy_config(config.model))
+    if flags.aug not in (1, 8):
+        raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
+    batch_size = flags.batch_size or config.eval_batch_size
+    print(f"model {cfg.model} from {flags.checkpoint}")
+    if flags.vrplib_dir:
+        return _evaluate_vrplib(cfg, params, flags, batch_size)
+    if not flags.data_dir:
+        raise ValueError("give --data_dir (paper datasets) or --vrplib_dir (CVRPLIB / Solomon files)")
+    variants = problems.parse_variants(flags.problems)
+    explicit = flags.problems.strip().upper() not in ("ALL", "TRAIN", "UNSEEN")
+    if flags.reference and len(variants) != 1:
+        raise ValueError("--reference applies to a single problem; use --problems=<VARIANT>")
+    results, rows = {}, []
+    for var in variants:
+        path = io.dataset_path(flags.data_dir, var, flags.size)
+        if not os.path.exists(path):
+            if explicit:
+                raise FileNotFoundError(f"no {var.name} dataset of size {flags.size}: {path}")
+            print(f"skipping {var.name}: no dataset at {path}")
+            continue
+        inst = io.load_paper_instances(path, var, num_instances=flags.num_instances)
+        res = evaluation.evaluate_dataset(
+            cfg, params, inst, pomo_size=flags.pomo_size, augment=flags.aug == 8, batch_size=batch_size,
+            seed=flags.seed, progress=flags.progress, desc=var.name)
+        ref_path = flags.reference or io.reference_solution_path(flags.data_dir, var, flags.size)
+        gap = None
+        if os.path.exists(ref_path):
+            ref_cost, _ = io.load_paper_solutions(ref_path, num_instances=len(res.obj))
+            if len(ref_cost) == len(res.obj):
+                gap = evaluation.gap_percent(res.obj, ref_cost)
+        results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
+                             "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
+                             "seconds": res.seconds, "compile_seconds": res.compile_seconds,
+                             "reference": os.path.basename(ref_path) if gap is not None else None}
+        rows.append((var.name, res.mean, float(np.mean(res.obj_no_aug)), gap, res.seconds))
+        print(f"{var.name:10s} obj {res.mean:.4f}  gap {_fmt(gap, '.3f')}%  {res.seconds:.2f}s "
+              f"(compile {res.compile_seconds:.1f}s)", flush=True)
+    if not results:
+        raise FileNotFoundError(f"no datasets of size {flags.size} found under {flags.data_dir}")
+    print()
+    print_table(rows)
+    return results
+
+
+def _read_benchmark_file(path: str):
+    if path.endswith(".vrp"):
+        return io.read_vrplib(path)
+    return io.read_solomon(path)
+
+
+def _original_cost(route: list[int], locs_unit: np.ndarray, meta, rounded: bool) -> float:
+    """Cost of a route in the file's own units; CVRPLIB rounds every edge to the nearest integer."""
+    xy = np.asarray(locs_unit, np.float64) * meta.scale + np.asarray(meta.offset, np.float64)
+    seq = [0] + list(route) + [0]
+    total = 0.0
+    for a, b in zip(seq[:-1], seq[1:]):
+        d = math.dist(xy[a], xy[b])
+        total += math.floor(d + 0.5) if rounded else d
+    return total
+
+
+def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
+    files = sorted(glob.glob(os.path.join(flags.vrplib_dir, "*.vrp")) +
+                   glob.glob(os.path.join(flags.vrplib_dir, "*.txt")))
+    if not files:
+        raise FileNotFoundError(f"no .vrp or Solomon .txt files in {flags.vrplib_dir}")
+    bks = io.load_bks(flags.bks) if flags.bks else {}
+    results, gaps = {}, []
+    print(f"{'instance':14s} {'n':>4s} {'obj':>10s} {'BKS':>10s} {'gap %':>7s} {'time s':>7s}")
+    for path in files[: flags.num_instances or None]:
+        inst, meta = _read_benchmark_file(path)
+        res = evaluation.evaluate_dataset(cfg, params, inst, pomo_size=flags.pomo_size,
+                                          augment=flags.aug == 8, batch_size=1, seed=flags.seed,
+                                          progress=False, desc=meta.name)
+        rounded = path.endswith(".vrp")
+        obj = _original_cost(res.routes[0], np.asarray(inst.locs[0]), meta, rounded)
+        best = bks.get(meta.name)
+        gap = None if best is None else (obj - best) / best * 100.0
+        if gap is not None:
+            gaps.append(gap)
+        results[meta.name] = {"n": meta.num_customers, "obj": obj, "obj_unit_square": float(res.obj[0]),
+                              "bks": best, "gap": gap, "route": res.routes[0], "seconds": res.seconds,
+                              "compile_seconds": res.compile_seconds,
+                              "cost_convention": "rounded edges" if rounded else "euclidean"}
+        print(f"{meta.name:14s} {meta.num_customers:4d} {obj:10.1f} {_fmt(best, '10.0f'):>10s} "
+              f"{_fmt(gap, '7.2f'):>7s} {res.seconds:7.2f}", flush=True)
+    if gaps:
+        print(f"mean gap over {len(gaps)} instances with a BKS: {np.mean(gaps):.3f}%")
+    return results

@@ -1,0 +1,124 @@
+"""Batched Instances as ``.npz`` files: one array per Instance field plus a format version.
+
+The format is plain numpy arrays (no pickled objects), so a file can be loaded with
+``allow_pickle=False`` and is safe to read from untrusted sources. Round trips are exact: the arrays are
+stored in the Instance's own dtypes (float32 / bool), including the +inf route limit of variants
+without L.
+
+Layout of a file holding B instances with n customers::
+
+    __format_version__  int64 ()          FORMAT_VERSION
+    locs                float32 (B, n+1, 2)
+    demand, service_time, tw_start, tw_end   float32 (B, n+1)
+    route_limit         float32 (B,)
+    is_open, has_backhaul, has_limit, has_tw  bool (B,)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zipfile
+
+import jax.numpy as jnp
+import numpy as np
+
+from mvmoe_jax.instances import Instance
+from mvmoe_jax.io.vrplib_io import require_file
+
+FORMAT_VERSION = 1
+VERSION_KEY = "__format_version__"
+
+# Per field: (dtype, trailing shape after the batch axis; "N" is the node count n+1).
+_SPEC: dict[str, tuple[np.dtype, tuple]] = {
+    "locs": (np.dtype(np.float32), ("N", 2)),
+    "demand": (np.dtype(np.float32), ("N",)),
+    "service_time": (np.dtype(np.float32), ("N",)),
+    "tw_start": (np.dtype(np.float32), ("N",)),
+    "tw_end": (np.dtype(np.float32), ("N",)),
+    "route_limit": (np.dtype(np.float32), ()),
+    "is_open": (np.dtype(bool), ()),
+    "has_backhaul": (np.dtype(bool), ()),
+    "has_limit": (np.dtype(bool), ()),
+    "has_tw": (np.dtype(bool), ()),
+}
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Instance))
+# The spec above must follow the dataclass: a new Instance field needs a new format version.
+if set(FIELDS) != set(_SPEC):
+    raise ImportError(f"mvmoe_jax.io.npz: format spec {sorted(_SPEC)} is out of date with the Instance "
+                      f"fields {sorted(FIELDS)}")
+
+
+def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
+    """Every field present, with its dtype, and shapes consistent with one batch size and node count."""
+    missing = [f for f in FIELDS if f not in arrays]
+    if missing:
+        raise ValueError(f"{source}: missing Instance field(s) {missing}")
+    locs = arrays["locs"]
+    if locs.ndim != 3:
+        raise ValueError(f"{source}: field 'locs' must have shape (batch, n+1, 2) (a batched Instance), "
+                         f"got {locs.shape}")
+    batch, nodes = locs.shape[:2]
+    for name in FIELDS:
+        dtype, trailing = _SPEC[name]
+        arr = arrays[name]
+        want = (batch,) + tuple(nodes if d == "N" else d for d in trailing)
+        if arr.dtype != dtype:
+            raise ValueError(f"{source}: field {name!r} has dtype {arr.dtype}, expected {dtype}")
+        if arr.shape != want:
+            raise ValueError(f"{source}: field {name!r} has shape {arr.shape}, expected {want} "
+                             f"(batch {batch}, {nodes} nodes, from 'locs')")
+
+
+class _NotAnArchive(Exception):
+    """Internal: np.load returned a bare array."""
+
+
+def save_npz(path: str | os.PathLike, instances: Instance, *, compressed: bool = False) -> None:
+    """Write a batched Instance (every field with a leading batch axis) to ``path`` exactly as named
+    (no ``.npz`` suffix is appended). ``compressed`` uses zip deflate (smaller, slower)."""
+    path = os.fspath(path)
+    arrays = {name: np.asarray(getattr(instances, name)) for name in FIELDS}
+    _check_arrays(arrays, source="save_npz")
+    arrays[VERSION_KEY] = np.asarray(FORMAT_VERSION, np.int64)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    # Writing through a file object stops numpy from appending ".npz" to the name.
+    with open(path, "wb") as f:
+        (np.savez_compressed if compressed else np.savez)(f, **arrays)
+
+
+def load_npz(path: str | os.PathLike) -> Instance:
+    """Read a file written by ``save_npz`` -> batched Instance (jax arrays).
+
+    Raises ValueError naming the file and the problem: not an npz archive, pickled (object) arrays, a
+    missing or unsupported format version, unknown keys, and any missing field or field whose dtype or
+    shape does not match the others.
+    """
+    path = require_file(path)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise _NotAnArchive
+        with loaded:
+            arrays = {key: loaded[key] for key in loaded.files}
+    except _NotAnArchive:
+        raise ValueError(f"{path}: a single .npy array, not an .npz archive of Instance fields") from None
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        # numpy raises ValueError for pickled data / object arrays under allow_pickle=False.
+        raise ValueError(f"{path}: not a readable .npz file of plain arrays ({type(e).__name__}: {e})") \
+            from None
+
+    if VERSION_KEY not in arrays:
+        raise ValueError(f"{path}: no {VERSION_KEY!r} key; not written by save_npz")
+    version = arrays.pop(VERSION_KEY)
+    if version.shape != () or version.dtype.kind not in "iu" or int(version) != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format version {version!r} (this reader knows "
+                         f"{FORMAT_VERSION})")
+    unknown = sorted(set(arrays) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; not an Instance file of format version "
+                         f"{FORMAT_VERSION}")
+    _check_arrays(arrays, source=path)
+    return Instance(**{name: jnp.asarray(arrays[name]) for name in FIELDS})

@@ -1,0 +1,1 @@
+"""Flax modules of the MVMoE policy (attention, mixture-of-experts, encoder/decoder)."""

@@ -1,0 +1,41 @@
+"""Shared test fixtures.
+
+Tests that need the read-only material in ``../shared`` (the paper's data, the PyTorch fixtures) get it
+through ``shared_dir``: a user's clone has no shared/, so they skip with a clear reason, but under CI
+(``CI=true``) a missing folder is a failure, so CI never skips them silently.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+def require_shared(*parts: str) -> pathlib.Path:
+    path = SHARED_DIR.joinpath(*parts)
+    if not path.exists():
+        reason = f"{path} is missing (the shared/ folder beside the repository holds the paper's data)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> pathlib.Path:
+    return require_shared()
+
+
+@pytest.fixture(scope="session")
+def paper_dir() -> pathlib.Path:
+    return require_shared("data", "mvmoe-paper")
+
+
+@pytest.fixture(scope="session")
+def torch_fixtures() -> pathlib.Path:
+    return require_shared("fixtures", "torch-reference")

@@ -1,0 +1,97 @@
+"""evaluate.py's path reproduces the PyTorch reference's greedy results on the fixture checkpoints."""
+
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from mvmoe_jax import cli, problems
+from configs import mvmoe, mvmoe_light, pomo_mtl
+
+CONFIGS = {"mtl": pomo_mtl, "moe": mvmoe, "moe_light": mvmoe_light}
+
+
+def _flags(torch_fixtures, name, **kw):
+    base = dict(checkpoint=str(torch_fixtures / "checkpoints" / f"{name}_n20_fixture.pt"), problems="ALL",
+                data_dir=str(torch_fixtures / "data"), size=20, aug=8, num_instances=None, batch_size=100,
+                pomo_size=None, vrplib_dir=None, bks=None, reference=None, seed=11, progress=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.fixture(scope="module")
+def evaluations(torch_fixtures):
+    """Run each fixture checkpoint over all 16 fixture datasets once (shared by the tests below)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = cli.run_evaluation(CONFIGS[name].get_config(), _flags(torch_fixtures, name))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["mtl", "moe"])
+def test_per_instance_parity(torch_fixtures, evaluations, name):
+    ours = evaluations(name)
+    ref = json.loads((torch_fixtures / "results" / f"{name}.json").read_text())
+    assert set(ours) == set(problems.VARIANT_NAMES)
+    for variant in problems.VARIANT_NAMES:
+        for key, ref_key in (("obj", "aug"), ("obj_no_aug", "no_aug")):
+            a, b = np.array(ours[variant][key]), np.array(ref[variant][ref_key])
+            close = np.abs(a - b) / b < 1e-4
+            assert close.mean() >= 0.98, f"{name} {variant} {key}: {close.mean():.1%} within 1e-4"
+            assert abs(a.mean() - b.mean()) / b.mean() < 5e-4, f"{name} {variant} {key} mean"
+        assert ours[variant]["gap"] is None            # the fixture datasets have no reference solutions
+
+
+def test_light_model_means(torch_fixtures, evaluations):
+    """MVMoE-L samples its dense-or-sparse gate at every step, in evaluation too: compare means."""
+    ours = evaluations("moe_light")
+    ref = json.loads((torch_fixtures / "results" / "moe_light.json").read_text())
+    for variant in problems.VARIANT_NAMES:
+        for key, ref_key in (("obj", "aug"), ("obj_no_aug", "no_aug")):
+            a, b = np.mean(ours[variant][key]), np.mean(ref[variant][ref_key])
+            assert abs(a - b) / b < 0.01, f"moe_light {variant} {key}: {a:.4f} vs {b:.4f}"
+
+
+def test_evaluate_py_command_line(torch_fixtures, tmp_path):
+    """The documented command line, on two variants and a few instances, writes the JSON contract."""
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "evaluate.py", "--config=configs/pomo_mtl.py",
+           f"--checkpoint={torch_fixtures / 'checkpoints' / 'mtl_n20_fixture.pt'}", "--problems=CVRP,VRPBLTW",
+           f"--data_dir={torch_fixtures / 'data'}", "--size=20", "--aug=8", "--num_instances=10",
+           "--batch_size=4", f"--output={out}", "--noprogress"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    ref = json.loads((torch_fixtures / "results" / "mtl.json").read_text())
+    assert set(res) == {"CVRP", "VRPBLTW"}
+    for v in res:
+        assert set(res[v]) >= {"obj", "obj_no_aug", "mean", "gap", "seconds", "compile_seconds"}
+        np.testing.assert_allclose(res[v]["obj"], ref[v]["aug"][:10], rtol=1e-4)
+        assert res[v]["mean"] == pytest.approx(np.mean(res[v]["obj"]))
+    assert "VRPBLTW" in proc.stdout and "gap" in proc.stdout
+
+
+def test_evaluate_py_refuses_a_checkpoint_of_another_model(torch_fixtures):
+    cmd = [sys.executable, "evaluate.py", "--config=configs/mvmoe.py",
+           f"--checkpoint={torch_fixtures / 'checkpoints' / 'mtl_n20_fixture.pt'}", "--problems=CVRP",
+           f"--data_dir={torch_fixtures / 'data'}", "--size=20", "--noprogress"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "holds a 'pomo_mtl' model" in proc.stderr and "'mvmoe'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_evaluate_py_unknown_variant(torch_fixtures):
+    cmd = [sys.executable, "evaluate.py", "--config=configs/pomo_mtl.py",
+           f"--checkpoint={torch_fixtures / 'checkpoints' / 'mtl_n20_fixture.pt'}", "--problems=CVRP,VRPZ",
+           f"--data_dir={torch_fixtures / 'data'}", "--size=20", "--noprogress"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown VRP variant 'VRPZ'" in proc.stderr
