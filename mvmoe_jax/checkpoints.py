@@ -164,6 +164,13 @@ def import_torch_checkpoint(path: str | os.PathLike, cfg: PolicyConfig | None = 
         raise CheckpointMismatchError(
             f"{path} holds a {found.model!r} model ({_describe(found)}), but the config asks for "
             f"{cfg.model!r} ({_describe(cfg)})")
+    else:
+        fields = ["embedding_dim", "num_layers", "ff_hidden_dim"]
+        fields += ["num_experts", "expert_loc"] if cfg.uses_moe else []
+        diff = [f"{f}: checkpoint {getattr(found, f)}, config {getattr(cfg, f)}" for f in fields
+                if getattr(found, f) != getattr(cfg, f)]
+        if diff:
+            raise CheckpointMismatchError(f"{path} does not fit the config: " + "; ".join(diff))
     params = {"params": torch_state_to_params(state, cfg)}
     check_params_fit(params["params"], cfg, os.fspath(path))
     return cfg, params

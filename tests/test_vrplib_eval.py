@@ -1,0 +1,59 @@
+"""evaluate.py on CVRPLIB / Solomon files: feasible routes, costs in the files' own units, gaps to BKS."""
+
+import json
+import math
+import shutil
+import types
+
+import numpy as np
+import pytest
+import vrplib
+
+from mvmoe_jax import cli
+from configs import pomo_mtl
+
+
+def _solomon_xy(path):
+    rows = [line.split() for line in open(path) if line.split() and line.split()[0].isdigit()]
+    table = [r for r in rows if len(r) == 7]
+    return np.array([[float(r[1]), float(r[2])] for r in table])
+
+
+def test_vrplib_and_solomon_evaluation(paper_dir, torch_fixtures, tmp_path):
+    files = [paper_dir / "CVRP-LIB" / "X-n101-k25.vrp", paper_dir / "Vrp-Set-Solomon" / "RC101.txt"]
+    for f in files:
+        shutil.copy(f, tmp_path)
+    flags = types.SimpleNamespace(
+        checkpoint=str(torch_fixtures / "checkpoints" / "mtl_n20_fixture.pt"), vrplib_dir=str(tmp_path),
+        bks=str(paper_dir / "BKS.json"), aug=8, batch_size=None, pomo_size=None, num_instances=None,
+        seed=0, progress=False, data_dir=None, problems="ALL", size=50, reference=None)
+    res = cli.run_evaluation(pomo_mtl.get_config(), flags)
+    bks = json.loads((paper_dir / "BKS.json").read_text())
+    assert set(res) == {"X-n101-k25", "RC101"}
+
+    # CVRPLIB convention: every edge rounded to the nearest integer, in the file's coordinates.
+    x = res["X-n101-k25"]
+    xy = vrplib.read_instance(str(files[0]))["node_coord"]
+    seq = [0] + x["route"] + [0]
+    expected = sum(math.floor(math.dist(xy[a], xy[b]) + 0.5) for a, b in zip(seq, seq[1:]))
+    assert x["obj"] == pytest.approx(expected, abs=1e-6)
+    assert sorted(v for v in x["route"] if v) == list(range(1, 101))
+    assert x["gap"] == pytest.approx((x["obj"] - bks["Set-X"]["X-n101-k25"]) / bks["Set-X"]["X-n101-k25"] * 100)
+    assert x["obj"] >= bks["Set-X"]["X-n101-k25"]
+
+    # Solomon: Euclidean distances in the file's units.
+    s = res["RC101"]
+    xy = _solomon_xy(files[1])
+    seq = [0] + s["route"] + [0]
+    expected = sum(math.dist(xy[a], xy[b]) for a, b in zip(seq, seq[1:]))
+    assert s["obj"] == pytest.approx(expected, rel=1e-5)
+    assert s["obj"] >= 1619.8 * (1 - 1e-6)     # RC101's best known solution
+
+
+def test_vrplib_dir_without_files(torch_fixtures, tmp_path):
+    flags = types.SimpleNamespace(
+        checkpoint=str(torch_fixtures / "checkpoints" / "mtl_n20_fixture.pt"), vrplib_dir=str(tmp_path),
+        bks=None, aug=8, batch_size=None, pomo_size=None, num_instances=None, seed=0, progress=False,
+        data_dir=None, problems="ALL", size=50, reference=None)
+    with pytest.raises(FileNotFoundError, match="no .vrp or Solomon .txt files"):
+        cli.run_evaluation(pomo_mtl.get_config(), flags)
