@@ -134,10 +134,7 @@ def torch_state_to_params(state: dict[str, np.ndarray], cfg: PolicyConfig) -> di
         for w in ("Wq_last", "Wk", "Wv"):
             p[w] = _linear(state, f"decoder.{w}", bias=False)
         if cfg.hierarchical:
-            p["dense_or_moe"] = _linear(state, "decoder.dense_or_moe", bias=False)
-            p["multi_head_combine_dense"] = _linear(state, "decoder.multi_head_combine_dense")
-            p["multi_head_combine_moe"] = moe_lib.torch_to_flax_moe(
-                state, "decoder.multi_head_combine_moe", cfg.num_experts, "linear")
+            p["multi_head_combine"] = moe_lib.torch_to_flax_dense_or_moe(state, "decoder", cfg.num_experts)
         elif cfg.moe_at("Dec"):
             p["multi_head_combine"] = moe_lib.torch_to_flax_moe(state, "decoder.multi_head_combine",
                                                                 cfg.num_experts, "linear")

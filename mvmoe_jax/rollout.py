@@ -24,7 +24,8 @@ class RolloutOutput:
     """actions int32 (B, P, T): the start node then every decoded node (depot-padded after finishing);
     log_likelihood (B, P): summed log-probability of the decoded actions (the forced start excluded);
     cost (B, P): tour length (+inf for invalid starts); valid bool (B, P): real POMO starts;
-    finished bool (B, P); aux_loss (): MoE auxiliary loss summed over encoder and decoding steps."""
+    finished bool (B, P); aux_loss (): MoE auxiliary loss summed over encoder and decoding steps;
+    num_steps int32 (): decoding steps run (until every trajectory finished)."""
 
     actions: jax.Array
     log_likelihood: jax.Array
@@ -32,6 +33,7 @@ class RolloutOutput:
     valid: jax.Array
     finished: jax.Array
     aux_loss: jax.Array
+    num_steps: jax.Array
 
 
 def num_starts(num_customers: int, has_backhaul, pomo_size: int):
@@ -119,21 +121,23 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         return t + 1, states, actions, ll + chosen, aux + aux_t, gate_probs
 
     carry = (jnp.int32(1), states, actions, ll, aux + aux_t, gate_probs)
-    _, states, actions, ll, aux, _ = jax.lax.while_loop(cond, body, carry)
+    t, states, actions, ll, aux, _ = jax.lax.while_loop(cond, body, carry)
     cost = jnp.where(valid, states.cost, jnp.inf)
     return RolloutOutput(actions=actions, log_likelihood=ll, cost=cost, valid=valid,
-                         finished=states.finished, aux_loss=aux)
+                         finished=states.finished, aux_loss=aux, num_steps=t)
 
 
 @struct.dataclass
 class GreedyResult:
     """Per instance (B,): best cost over starts without augmentation and over starts x 8 augmentations,
-    and the best route's actions (B, T) (from the augmented run when augmenting)."""
+    and the best route's actions (B, T) (from the augmented run when augmenting); num_steps: decoding
+    steps the batch needed."""
 
     obj_no_aug: jax.Array
     obj: jax.Array
     best_actions: jax.Array
     all_finished: jax.Array
+    num_steps: jax.Array
 
 
 @partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment"))
@@ -155,4 +159,5 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     acts = acts.reshape(b, -1, acts.shape[-1])
     best_actions = jnp.take_along_axis(acts, best[:, None, None], axis=1)[:, 0]
     done = (out.finished | ~out.valid).reshape(-1, b, out.cost.shape[-1]).all(axis=(0, 2))
-    return GreedyResult(obj_no_aug=no_aug, obj=per_aug.min(-1), best_actions=best_actions, all_finished=done)
+    return GreedyResult(obj_no_aug=no_aug, obj=per_aug.min(-1), best_actions=best_actions, all_finished=done,
+                        num_steps=out.num_steps)

@@ -139,6 +139,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mvmoe_jax.nn.layers import Dense, torch_uniform_init
+
 __all__ = [
     "NOISE_EPSILON",
     "DEFAULT_LOSS_COEF",
@@ -181,17 +183,6 @@ _DISPATCHES = ("dense", "sparse", "einsum")
 # --------------------------------------------------------------------------------------------------
 # Initialisers (torch defaults, so that freshly initialised models behave like the reference's)
 # --------------------------------------------------------------------------------------------------
-
-
-def torch_uniform_init(fan_in: int) -> Callable[..., Array]:
-    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): torch ``nn.Linear`` weight and bias init, and torch's
-    ``kaiming_uniform_(a=sqrt(5))`` in general."""
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init
 
 
 # --------------------------------------------------------------------------------------------------
@@ -728,7 +719,8 @@ class DenseOrMoE(nn.Module):
             param_dtype=self.param_dtype,
             precision=self.precision,
         )
-        self.multi_head_combine_dense = _TorchLinear(self.output_dim, self.dtype, self.param_dtype, self.precision)
+        self.multi_head_combine_dense = Dense(self.output_dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                                              precision=self.precision)
 
     def __call__(self, x: Array, train: bool, probs: Optional[Array] = None, key: Optional[Array] = None):
         if probs is None:
@@ -753,24 +745,6 @@ class DenseOrMoE(nn.Module):
         # variable structures, which lax.cond rejects (the MoE's drop counters are therefore not sowed).
         y, aux = nn.cond(choice == 1, moe_branch, dense_branch, self, x, variables="params")
         return y * scale.astype(y.dtype), aux, probs
-
-
-class _TorchLinear(nn.Module):
-    """Linear layer with torch's default init (kernel and bias ~ U(+-1/sqrt(fan_in))).
-    Params: ``kernel`` (d, o), ``bias`` (o,)."""
-
-    features: int
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    precision: Any = None
-
-    @nn.compact
-    def __call__(self, x):
-        init = torch_uniform_init(x.shape[-1])
-        kernel = self.param("kernel", init, (x.shape[-1], self.features), self.param_dtype)
-        bias = self.param("bias", init, (self.features,), self.param_dtype)
-        y = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype), precision=self.precision)
-        return y + bias.astype(self.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "sparse"              # sparse (dispatch/combine tensors) | dense
+    moe_dispatch: str = "dense"               # dense (every expert, gate-weighted) | sparse (capacity
+                                              # buffers, scatter/gather) | einsum (dispatch/combine tensors)
     capacity_factor: float | None = None      # None: no token is ever dropped
     compute_dtype: str = "float32"            # float32 | bfloat16 (matmul inputs; params stay float32)
 
@@ -169,9 +170,10 @@ class Policy(nn.Module):
         self.Wk = Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype)
         self.Wv = Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype)
         if cfg.hierarchical:
-            self.dense_or_moe = Dense(2, use_bias=False, dtype=jnp.float32)
-            self.multi_head_combine_dense = Dense(cfg.embedding_dim, dtype=cfg.dtype)
-            self.multi_head_combine_moe = _moe(cfg, cfg.embedding_dim, "linear", "multi_head_combine_moe")
+            self.multi_head_combine = moe_lib.DenseOrMoE(
+                output_dim=cfg.embedding_dim, num_experts=cfg.num_experts, k=cfg.topk,
+                routing=cfg.routing_method, level=cfg.routing_level, capacity_factor=cfg.capacity_factor,
+                dispatch=cfg.moe_dispatch, dtype=cfg.dtype)
         elif cfg.moe_at("Dec"):
             self.multi_head_combine = _moe(cfg, cfg.embedding_dim, "linear", "multi_head_combine")
         else:
@@ -225,9 +227,7 @@ class Policy(nn.Module):
         attn = multi_head_attention(q, cache.keys, cache.values, mask)                    # (B, P, D)
         aux = jnp.float32(0.0)
         if cfg.hierarchical:
-            if gate_probs is None:
-                gate_probs = jax.nn.softmax(self.dense_or_moe(jnp.mean(attn, axis=(0, 1))))
-            out, aux = self._hierarchical_combine(attn, gate_probs, train)
+            out, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs)
         elif cfg.moe_at("Dec"):
             out, aux = self.multi_head_combine(attn, train=train)
         else:
@@ -237,20 +237,3 @@ class Policy(nn.Module):
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
         score = jnp.where(mask, score, -jnp.inf)
         return jax.nn.log_softmax(score, axis=-1), aux, gate_probs
-
-    def _hierarchical_combine(self, attn, gate_probs, train):
-        """Sample dense (0) or sparse (1) once for the whole batch at this step, as the reference does
-        even in evaluation, run only that branch, and scale its output by the chosen probability."""
-        choice = jax.random.categorical(self.make_rng("gating"), jnp.log(gate_probs))
-
-        def sparse(mdl, x):
-            return mdl.multi_head_combine_moe(x, train=train)
-
-        def dense(mdl, x):
-            return mdl.multi_head_combine_dense(x), jnp.float32(0.0)
-
-        if self.is_initializing():          # create both branches' parameters
-            dense(self, attn)
-            return sparse(self, attn)
-        out, aux = nn.cond(choice == 1, sparse, dense, self, attn)
-        return out * gate_probs[choice], aux
