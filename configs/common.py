@@ -34,11 +34,30 @@ def base_config() -> ml_collections.ConfigDict:
     c.learning_rate = 1e-4
     c.weight_decay = 1e-6
     c.lr_decay_epoch_fraction = 0.9
+    c.lr_decay_factor = 0.1           # torch MultiStepLR gamma, from epoch int(fraction * epochs) + 2 (1-based)
+    # alpha of the paper: weight of the MoE load-balancing loss (cv^2 of importance + cv^2 of load, summed
+    # over MoE layers and decoding steps). The reference code weighs it 1e-3 (its MoE layers' loss_coef).
     c.aux_loss_coef = 0.01
     c.checkpoint_every_epochs = 1
-    c.validate_every_epochs = 10
+    c.keep_checkpoints = 3            # orbax max_to_keep in <workdir>/checkpoints
+    c.validate_every_epochs = 10      # also after epoch 1 and the last; 0: never
     c.validation_instances = 1000
+    c.validation_problems = ""        # "": the train problems
+    c.validation_aug = False          # x8 augmentation in validation (slower)
+    c.validation_batch_size = 250
+    c.validation_seed = 2024          # generated validation sets (sizes without a paper test set)
     c.data_dir = "../shared/data/mvmoe-paper"
+    # Fine-tuning: start from this policy (orbax checkpoint dir, training workdir or original .pt) with a
+    # fresh optimiser (the paper's few-shot setting: one target variant, train_episodes=10000).
+    c.finetune_from = ""
+    # Execution: the differentiable replay of sampled trajectories runs replay_chunk decoding steps at a
+    # time (vmapped), over a length rounded up to a multiple of replay_bucket (0: auto, about n/4);
+    # replay_remat recomputes each chunk in the backward pass (less memory, ~1/3 more compute).
+    c.replay_chunk = 8
+    c.replay_bucket = 0
+    c.replay_remat = False
+    c.distributed = False             # call jax.distributed.initialize() (multi-host runs)
+    c.progress_bar = True
     # Evaluation
     c.eval_batch_size = 64
     c.eval_aug = 8

@@ -141,23 +141,16 @@ def cost(state: State) -> jax.Array:
 # Batched forms: states of shape (batch, pomo); the instance has only the batch axis.
 # ----------------------------------------------------------------------------------------------------
 
-def _axes(instance_axis):
+def _state_axes(instance_axis) -> State:
+    """vmap axes for a State: 0 for every per-trajectory field, ``instance_axis`` for the instance."""
     fields = {f: 0 for f in State.__dataclass_fields__ if f != "instance"}
     return State(instance=instance_axis, **fields)
 
 
-_POMO = _axes(None)   # inner vmap: the instance is shared by the POMO starts
-
-
-def _lift(fn, out_state: bool):
-    inner = jax.vmap(fn, in_axes=(_POMO, 0) if fn is step else (_POMO,),
-                     out_axes=_POMO if out_state else 0)
-    return jax.vmap(inner, in_axes=(0, 0) if fn is step else (0,), out_axes=0)
-
-
-batch_step = _lift(step, True)
+# Inner vmap over POMO starts shares the instance (axis None); the outer one maps the batch.
+batch_step = jax.vmap(jax.vmap(step, in_axes=(_state_axes(None), 0), out_axes=_state_axes(None)))
 batch_step.__doc__ = "step for states (batch, pomo) and actions int (batch, pomo)."
-batch_action_mask = _lift(action_mask, False)
+batch_action_mask = jax.vmap(jax.vmap(action_mask, in_axes=(_state_axes(None),)))
 batch_action_mask.__doc__ = "action_mask for states (batch, pomo) -> bool (batch, pomo, n+1)."
 
 
