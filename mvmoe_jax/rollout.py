@@ -25,7 +25,11 @@ class RolloutOutput:
     log_likelihood (B, P): summed log-probability of the decoded actions (the forced start excluded);
     cost (B, P): tour length (+inf for invalid starts); valid bool (B, P): real POMO starts;
     finished bool (B, P); aux_loss (): MoE auxiliary loss summed over encoder and decoding steps;
-    num_steps int32 (): decoding steps run (until every trajectory finished)."""
+    num_steps int32 (): decoding steps run (until every trajectory finished).
+
+    With ``record=True`` the decoder's inputs at every step t < T are kept for a teacher-forced replay
+    (unrun steps look like finished trajectories): masks bool (T, B, P, N), dynamic f32 (T, B, P, 4),
+    active bool (T, B, P) (the trajectory had not finished before step t). Otherwise they are None."""
 
     actions: jax.Array
     log_likelihood: jax.Array
@@ -34,6 +38,9 @@ class RolloutOutput:
     finished: jax.Array
     aux_loss: jax.Array
     num_steps: jax.Array
+    masks: jax.Array | None = None
+    dynamic: jax.Array | None = None
+    active: jax.Array | None = None
 
 
 def num_starts(num_customers: int, has_backhaul, pomo_size: int):
@@ -66,20 +73,33 @@ def dynamic_features(states: env.State) -> jax.Array:
     return jnp.stack([states.load, states.time, states.length, is_open.astype(jnp.float32)], axis=-1)
 
 
+def decoding_keys(rng: jax.Array, num_steps: int) -> tuple[jax.Array, jax.Array]:
+    """(encoder key, per-step keys (num_steps,)): every key a rollout draws from ``rng``.
+
+    Step t's key drives its MoE gating noise, MVMoE-L's branch draw and the sampled action, so a replay
+    with the same keys reproduces the rollout exactly.
+    """
+    k_enc, k_loop = jax.random.split(rng)
+    keys = jax.vmap(lambda t: jax.random.fold_in(k_loop, t))(jnp.arange(num_steps))
+    return k_enc, keys
+
+
 def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_type: str = "greedy",
-            rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None) -> RolloutOutput:
+            rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None,
+            record: bool = False) -> RolloutOutput:
     """Decode every start of every instance (batched Instance, B) until all finish.
 
     decode_type: 'greedy' (argmax) or 'sampling'. ``rng`` drives sampling, MoE gating noise in training
-    and MVMoE-L's dense-or-sparse draws (which the reference samples in evaluation too).
-    jit-compatible (policy, pomo_size, decode_type, train, max_steps static).
+    and MVMoE-L's dense-or-sparse draws (which the reference samples in evaluation too); see
+    ``decoding_keys``. ``record`` keeps the decoder's inputs for a replay (see RolloutOutput).
+    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record static).
     """
     if decode_type not in ("greedy", "sampling"):
         raise ValueError(f"decode_type must be 'greedy' or 'sampling', got {decode_type!r}")
     rng = jax.random.key(0) if rng is None else rng
     n = inst.locs.shape[-2] - 1
     steps = 2 * n if max_steps is None else max_steps      # a depot visit per customer at most
-    k_enc, k_loop = jax.random.split(rng)
+    k_enc, keys = decoding_keys(rng, steps)
 
     emb, aux = policy.apply(params, inst, train, method=Policy.encode, rngs={"gating": k_enc})
     cache = policy.apply(params, emb, method=Policy.precompute)
@@ -90,41 +110,54 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     def decode_step(states, gate_probs, key):
         k_gate, k_pick = jax.random.split(key)
         mask = env.batch_action_mask(states)
+        dyn = dynamic_features(states)
         logp, aux_t, gate_probs = policy.apply(
-            params, cache, states.current, dynamic_features(states), mask, gate_probs, train,
+            params, cache, states.current, dyn, mask, gate_probs, train,
             method=Policy.decode, rngs={"gating": k_gate})
         if decode_type == "greedy":
             action = jnp.argmax(logp, axis=-1)
         else:
             action = jax.random.categorical(k_pick, logp, axis=-1)
+        action = action.astype(jnp.int32)
         chosen = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
-        # Finished trajectories only stay at the depot: no log-probability, no auxiliary loss.
+        # Finished trajectories only stay at the depot: no log-probability.
         chosen = jnp.where(states.finished, 0.0, chosen)
-        return env.batch_step(states, action.astype(jnp.int32)), action, chosen, aux_t, gate_probs
+        record_t = (mask, dyn, ~states.finished)
+        return env.batch_step(states, action), action, chosen, aux_t, gate_probs, record_t
 
-    actions = jnp.zeros((b, p, steps + 1), jnp.int32).at[:, :, 0].set(starts)
+    def write(buffers, t, action, record_t):
+        actions = jax.lax.dynamic_update_slice_in_dim(buffers[0], action[..., None], t + 1, axis=2)
+        if not record:
+            return (actions,)
+        return (actions,) + tuple(jax.lax.dynamic_update_index_in_dim(buf, x, t, axis=0)
+                                  for buf, x in zip(buffers[1:], record_t))
+
+    buffers = (jnp.zeros((b, p, steps + 1), jnp.int32).at[:, :, 0].set(starts),)
+    if record:
+        n1 = inst.locs.shape[-2]
+        buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
+                    jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
     # The first decoding step is peeled off the loop: MVMoE-L computes its gate probabilities there.
-    k_first, k_loop = jax.random.split(k_loop)
-    states, a0, ll, aux_t, gate_probs = decode_step(states, None, k_first)
+    states, a0, ll, aux_t, gate_probs, record_0 = decode_step(states, None, keys[0])
     if gate_probs is None:
         gate_probs = jnp.zeros((2,), jnp.float32)
-    actions = actions.at[:, :, 1].set(a0)
+    buffers = write(buffers, 0, a0, record_0)
 
     def cond(carry):
         t, states = carry[0], carry[1]
         return (t < steps) & ~jnp.all(states.finished)
 
     def body(carry):
-        t, states, actions, ll, aux, gate_probs = carry
-        states, a, chosen, aux_t, gate_probs = decode_step(states, gate_probs, jax.random.fold_in(k_loop, t))
-        actions = jax.lax.dynamic_update_slice_in_dim(actions, a[..., None].astype(jnp.int32), t + 1, axis=2)
-        return t + 1, states, actions, ll + chosen, aux + aux_t, gate_probs
+        t, states, buffers, ll, aux, gate_probs = carry
+        states, a, chosen, aux_t, gate_probs, record_t = decode_step(states, gate_probs, keys[t])
+        return t + 1, states, write(buffers, t, a, record_t), ll + chosen, aux + aux_t, gate_probs
 
-    carry = (jnp.int32(1), states, actions, ll, aux + aux_t, gate_probs)
-    t, states, actions, ll, aux, _ = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), states, buffers, ll, aux + aux_t, gate_probs)
+    t, states, buffers, ll, aux, _ = jax.lax.while_loop(cond, body, carry)
     cost = jnp.where(valid, states.cost, jnp.inf)
-    return RolloutOutput(actions=actions, log_likelihood=ll, cost=cost, valid=valid,
-                         finished=states.finished, aux_loss=aux, num_steps=t)
+    recorded = dict(zip(("masks", "dynamic", "active"), buffers[1:]))
+    return RolloutOutput(actions=buffers[0], log_likelihood=ll, cost=cost, valid=valid,
+                         finished=states.finished, aux_loss=aux, num_steps=t, **recorded)
 
 
 @struct.dataclass

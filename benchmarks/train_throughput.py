@@ -1,0 +1,110 @@
+"""Training throughput: instances per second through full optimiser steps (fresh batch, sampling rollout,
+differentiable replay, Adam update), compilation timed separately.
+
+A step whose replay length (a bucket above the decoding steps the batch needed) has not been seen yet
+compiles the update for that length: such steps count as compilation, not throughput. Prints a markdown
+table and writes JSON.
+
+    python benchmarks/train_throughput.py --configs mvmoe,pomo_mtl --size 50 --batch 64 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
+from mvmoe_jax import training, training_loop  # noqa: E402
+
+
+def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
+            max_compile_steps: int = 6) -> dict:
+    config = importlib.import_module(f"configs.{config_name}").get_config()
+    config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
+    config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
+    plan = training_loop.check_config(config)
+    fns = training_loop.step_functions(config, plan, training.make_mesh())
+    t0 = time.perf_counter()
+    state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+
+    seen, compile_s, timed, lengths = set(), init_s, [], []
+    key = jax.random.key(config.seed)
+    step = 0
+    while len(timed) < steps and step < steps + max_compile_steps:
+        k_data, k_roll = jax.random.split(training.step_key(key, step))
+        t0 = time.perf_counter()
+        inst = fns.batch(k_data, batch)
+        traj = fns.sample(state.params, inst, k_roll)
+        length = fns.replay_length(int(traj.num_steps))
+        t1 = time.perf_counter()
+        state, m = fns.update(state, inst, traj, k_roll, length)
+        m = jax.device_get(m)
+        t2 = time.perf_counter()
+        assert m["finite"], "non-finite step"
+        first = step == 0 or length not in seen
+        seen.add(length)
+        if first:
+            compile_s += t2 - t0
+        else:
+            timed.append((t1 - t0, t2 - t1))
+            lengths.append(length)
+        step += 1
+    sample_s = float(np.mean([a for a, _ in timed])) if timed else float("nan")
+    update_s = float(np.mean([b for _, b in timed])) if timed else float("nan")
+    step_s = sample_s + update_s
+    return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
+            "pomo": pomo, "batch": batch, "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
+            "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
+            "step_seconds": step_s, "instances_per_second": batch / step_s,
+            "compile_seconds": compile_s, "compiled_lengths": sorted(seen)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="mvmoe,pomo_mtl", help="comma list of configs/<name>.py")
+    p.add_argument("--size", type=int, default=50)
+    p.add_argument("--pomo", type=int, default=0, help="POMO starts; 0 = n")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after compilation)")
+    p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
+    p.add_argument("--remat", action="store_true", help="replay_remat")
+    p.add_argument("--output", default="benchmarks/results/train_throughput.json")
+    args = p.parse_args()
+    device = (f"{jax.devices()[0].device_kind} x{len(jax.devices())} ({jax.default_backend()}, {os.cpu_count()} "
+              f"cpus, {platform.processor() or platform.machine()})")
+    load_before = os.getloadavg()
+    rows = []
+    for name in args.configs.split(","):
+        row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat)
+        rows.append(row)
+        print(f"{name}: {row['instances_per_second']:.1f} instances/s ({row['step_seconds']:.2f} s/step: sample "
+              f"{row['sample_seconds']:.2f} + update {row['update_seconds']:.2f}; compile "
+              f"{row['compile_seconds']:.0f} s)", flush=True)
+    load_after = os.getloadavg()
+    print(f"\nDevice: {device}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}\n")
+    print("| config | params | n | batch x pomo | s / step (sample + update) | instances / s | compile s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['size']} | {r['batch']} x {r['pomo']} | "
+              f"{r['step_seconds']:.2f} ({r['sample_seconds']:.2f} + {r['update_seconds']:.2f}) | "
+              f"{r['instances_per_second']:.1f} | {r['compile_seconds']:.0f} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({"device": device, "jax": jax.__version__, "load_average_before": load_before,
+                   "load_average_after": load_after, "args": vars(args), "rows": rows}, f, indent=1)
+    print(f"\nwrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""OR-Tools routing model of all 16 variants, under exactly the environment's semantics.
+
+Model (``ENV_SEMANTICS.md``; integers as explained in ``common``):
+
+* Arc cost: Euclidean distance; with O, arcs into the depot cost 0.
+* Capacity and backhauls, one dimension ``net`` = linehaul delivered - backhaul picked up on the route,
+  i.e. 1 - load in the environment's terms. Its transit on arc i -> j is the demand of j (backhauls
+  negative), it has no slack and every customer's value must stay in [0, capacity]: the environment
+  requires load >= d_j before a linehaul (net <= 1 after it) and load - d_j <= 1 at a backhaul (net >= 0
+  after it), nothing else. Linehauls and backhauls may therefore mix on a route in any order that keeps
+  net in [0, 1]; a route can never open with a backhaul.
+  The environment's vehicle leaves full (net 0) while any linehaul is unserved and empty (net = 1 in
+  these terms) once all are. So there are two vehicle types: ``nA`` = #linehauls vehicles starting at
+  net 0, and (B only) ``nB`` = #backhauls vehicles starting at net = capacity that may visit backhauls
+  only. Their routes are output last, when every linehaul has been served, which is exactly when the
+  environment's vehicle leaves empty. Without B this is the usual capacity dimension.
+* L: dimension ``length`` (arc lengths rounded up; with O, arcs into the depot are 0), at most the limit
+  rounded down at every node; closed routes also need length + d(j, 0) <= limit at every customer j
+  (rule 4, set as a per-node bound).
+* TW: dimension ``time`` = start of service, transit i -> j = s_i + d(i, j) rounded up, waiting as
+  slack, start of service in [e_j, l_j] (rule 5); closed routes also need start_j + s_j + d(j, 0) <= the
+  depot's closing time at every customer (rule 6) and the return by then. Open routes: arcs into the
+  depot take no time and the depot does not close.
+
+Search: parallel cheapest insertion, then guided local search until the time limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mvmoe_jax.baselines import common
+from mvmoe_jax.baselines.common import Problem, SolveResult
+
+NAME = "ortools"
+
+
+def _import():
+    try:
+        from ortools.constraint_solver import pywrapcp, routing_enums_pb2
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise common.SolverUnavailableError(
+            "OR-Tools is not installed; install the extra: pip install 'mvmoe-jax[baselines]' "
+            f"(or pip install ortools) ({e})") from None
+    return pywrapcp, routing_enums_pb2
+
+
+def _ceil(x) -> np.ndarray:
+    # Guard against 0.30000000000000004-style products tipping a whole unit up: subtract a hair first.
+    return np.ceil(np.asarray(x, np.float64) * common.SCALE - 1e-6).astype(np.int64)
+
+
+def _floor(x) -> np.ndarray:
+    return np.floor(np.asarray(x, np.float64) * common.SCALE + 1e-6).astype(np.int64)
+
+
+def build_model(problem: Problem):
+    """Build the routing model. Returns (manager, routing, info) where info holds what reading the
+    solution back needs (vehicle types)."""
+    pywrapcp, _ = _import()
+    p = problem
+    n = p.num_customers
+    n1 = n + 1
+    dist = p.distances()
+    cdist = p.constraint_distances()
+    units, cap, exact = common.demand_units(p.demand)
+    units[0] = 0
+    # "linehauls" here: every customer that is not a backhaul (a zero demand is neither in the
+    # environment, which is fine on either vehicle type); only positive demands are barred from type B.
+    linehauls = [j for j in range(1, n1) if units[j] >= 0 or not p.has_backhaul]
+    backhauls = [j for j in range(1, n1) if p.has_backhaul and units[j] < 0]
+    if not p.has_backhaul and np.any(units < 0):
+        raise common.InfeasibleInstanceError("negative demands in a variant without backhauls")
+    num_a = max(len(linehauls), 1)
+    num_b = len(backhauls)
+    num_vehicles = num_a + num_b
+
+    manager = pywrapcp.RoutingIndexManager(n1, num_vehicles, 0)
+    routing = pywrapcp.RoutingModel(manager)
+
+    # Arc cost: distance (open: into the depot is free).
+    cost = np.rint(dist * common.SCALE).astype(np.int64)
+    if p.is_open:
+        cost[:, 0] = 0
+    cost_cb = routing.RegisterTransitMatrix(cost.tolist())
+    routing.SetArcCostEvaluatorOfAllVehicles(cost_cb)
+
+    # Capacity / backhaul dimension (transit = demand of the node arrived at).
+    net = np.broadcast_to(units[None, :], (n1, n1)).astype(np.int64)
+    net_cb = routing.RegisterTransitMatrix(net.tolist())
+    routing.AddDimension(net_cb, 0, int(cap), False, "net")
+    net_dim = routing.GetDimensionOrDie("net")
+    for v in range(num_vehicles):
+        net_dim.CumulVar(routing.Start(v)).SetValue(0 if v < num_a else int(cap))
+    if num_b:
+        type_b = list(range(num_a, num_vehicles))
+        for j in linehauls:
+            if units[j] == 0:
+                continue
+            routing.VehicleVar(manager.NodeToIndex(j)).RemoveValues(type_b)
+
+    # L: route length limit.
+    if p.has_limit and math.isfinite(p.route_limit):
+        length = _ceil(cdist)
+        if p.is_open:
+            length[:, 0] = 0
+        limit = int(_floor(p.route_limit))
+        len_cb = routing.RegisterTransitMatrix(length.tolist())
+        routing.AddDimension(len_cb, 0, limit, True, "length")
+        len_dim = routing.GetDimensionOrDie("length")
+        for j in range(1, n1):
+            ub = limit if p.is_open else limit - int(length[j, 0])
+            if ub < length[0, j]:
+                raise common.InfeasibleInstanceError(
+                    f"customer {j} cannot be served within the route limit even on a route of its own")
+            len_dim.CumulVar(manager.NodeToIndex(j)).SetMax(ub)
+
+    # TW: start of service within the window; closed routes back before the depot closes.
+    if p.has_tw:
+        travel = _ceil(p.service_time[:, None] + cdist)
+        if p.is_open:
+            travel[:, 0] = 0
+        close = int(_floor(p.tw_end[0]))
+        horizon = int(_ceil(max(float(p.tw_end.max()), float(p.tw_end[0])) + float(p.service_time.max()) + 2.0))
+        time_cb = routing.RegisterTransitMatrix(travel.tolist())
+        routing.AddDimension(time_cb, horizon, horizon, False, "time")
+        time_dim = routing.GetDimensionOrDie("time")
+        early = _ceil(p.tw_start)
+        late = _floor(p.tw_end)
+        for j in range(1, n1):
+            ub = int(late[j])
+            if not p.is_open:
+                ub = min(ub, close - int(travel[j, 0]))
+            if max(int(early[j]), int(travel[0, j])) > ub:
+                raise common.InfeasibleInstanceError(
+                    f"customer {j} cannot be served within its time window even on a route of its own")
+            time_dim.CumulVar(manager.NodeToIndex(j)).SetRange(int(early[j]), ub)
+        for v in range(num_vehicles):
+            time_dim.CumulVar(routing.Start(v)).SetValue(0)
+            if not p.is_open:
+                time_dim.CumulVar(routing.End(v)).SetMax(close)
+
+    info = {"num_a": num_a, "num_b": num_b, "exact_demands": exact, "linehauls": linehauls,
+            "backhauls": backhauls}
+    return manager, routing, info
+
+
+def _tours(manager, routing, assignment, num_vehicles: int) -> list[tuple[int, list[int]]]:
+    out = []
+    for v in range(num_vehicles):
+        idx = routing.Start(v)
+        tour = []
+        idx = assignment.Value(routing.NextVar(idx))
+        while not routing.IsEnd(idx):
+            tour.append(manager.IndexToNode(idx))
+            idx = assignment.Value(routing.NextVar(idx))
+        if tour:
+            out.append((v, tour))
+    return out
+
+
+def _singleton_routes(info, num_vehicles: int) -> list[list[int]]:
+    """Every customer on a route of its own (linehauls on type-A vehicles, backhauls on type-B)."""
+    routes = [[] for _ in range(num_vehicles)]
+    for k, j in enumerate(info["linehauls"]):
+        routes[k] = [j]
+    for k, j in enumerate(info["backhauls"]):
+        routes[info["num_a"] + k] = [j]
+    return routes
+
+
+def model_accepts(problem: Problem, route) -> bool:
+    """Whether the OR-Tools model admits a flat route (for checking the model against the environment).
+
+    Each sub-tour goes to a vehicle of the type the environment would start it with: full (type A)
+    while a linehaul is unserved when it starts, empty (type B) otherwise.
+    """
+    from mvmoe_jax.checker import split_subtours
+
+    manager, routing, info = build_model(problem)
+    num_vehicles = info["num_a"] + info["num_b"]
+    routes = [[] for _ in range(num_vehicles)]
+    linehaul_left = set(int(j) for j in np.flatnonzero(problem.demand > 0))
+    next_a, next_b = 0, info["num_a"]
+    for tour in split_subtours(route):
+        if linehaul_left or not problem.has_backhaul:
+            if next_a >= info["num_a"]:
+                return False
+            routes[next_a] = tour
+            next_a += 1
+        else:
+            if next_b >= num_vehicles:
+                return False
+            routes[next_b] = tour
+            next_b += 1
+        linehaul_left -= set(tour)
+    served = sorted(v for t in routes for v in t)
+    if served != list(range(1, problem.num_customers + 1)):
+        return False
+    return routing.ReadAssignmentFromRoutes(routes, False) is not None
+
+
+def solve_problem(problem: Problem, time_limit: float = 20.0, log: bool = False) -> SolveResult:
+    """Solve one problem: parallel cheapest insertion, then guided local search for ``time_limit`` s."""
+    pywrapcp, enums = _import()
+    limit_ms = common.time_limit_ms(time_limit)
+    with common.Timer() as timer:
+        manager, routing, info = build_model(problem)
+        num_vehicles = info["num_a"] + info["num_b"]
+        params = pywrapcp.DefaultRoutingSearchParameters()
+        params.first_solution_strategy = enums.FirstSolutionStrategy.PARALLEL_CHEAPEST_INSERTION
+        params.local_search_metaheuristic = enums.LocalSearchMetaheuristic.GUIDED_LOCAL_SEARCH
+        params.time_limit.FromMilliseconds(limit_ms)
+        params.log_search = bool(log)
+        assignment = routing.SolveWithParameters(params)
+        status = "ok"
+        if assignment is None:
+            # Insertion found nothing: start the local search from one route per customer instead.
+            initial = routing.ReadAssignmentFromRoutes(_singleton_routes(info, num_vehicles), True)
+            if initial is None:
+                raise common.InfeasibleInstanceError(
+                    f"instance {problem.index}: OR-Tools found no solution, and one route per customer "
+                    "is infeasible too (a customer no route can serve?)")
+            assignment = routing.SolveFromAssignmentWithParameters(initial, params)
+            status = "ok (from singleton routes)"
+            if assignment is None:
+                raise common.InfeasibleInstanceError(f"instance {problem.index}: OR-Tools found no solution")
+        objective = assignment.ObjectiveValue() / common.SCALE
+        tours = _tours(manager, routing, assignment, num_vehicles)
+    # Type-A tours (leaving full) first, then backhaul-only tours of type-B vehicles (leaving empty).
+    tours.sort(key=lambda vt: vt[0] >= info["num_a"])
+    route = common.flatten_tours([t for _, t in tours])
+    cost = common.route_cost(problem, route)
+    return SolveResult(index=problem.index, route=route, cost=cost, solver_objective=objective,
+                       seconds=timer.seconds, status=status)
+
+
+def solve(instances, *, time_limit: float = 20.0, workers: int = 1, progress: bool = True,
+          check: bool = True) -> common.Solutions:
+    """Solve every instance of a batched Instance with OR-Tools; routes are checked against the
+    environment (``check``) and come back in the paper's flat format."""
+    _import()
+    common.time_limit_ms(time_limit)
+    problems = common.problems_from_instances(instances)
+    results = common.run_parallel(solve_problem, problems, workers=workers, progress=progress,
+                                  desc="OR-Tools", time_limit=time_limit)
+    sols = common.collect(NAME, results)
+    if check:
+        common.verify(instances, sols)
+    return sols

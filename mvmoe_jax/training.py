@@ -1,0 +1,337 @@
+"""REINFORCE with the POMO shared baseline: sampling, the differentiable replay, the loss and the train step.
+
+How gradients flow through a rollout. ``rollout.rollout`` decodes under ``lax.while_loop``, which JAX
+cannot reverse-differentiate, and decoding 2n steps under a differentiable ``lax.scan`` would pay for the
+longest possible tour every time. A training step therefore runs in two jitted calls:
+
+1. ``sample_trajectories`` (no gradient): ``rollout.rollout(..., decode_type='sampling', train=True,
+   record=True)``, the inference rollout, which also records what the decoder saw at every step (the
+   feasibility mask and the dynamic features; the current node is the previous action) and returns the
+   number of decoding steps the batch needed.
+2. ``train_step`` (gradient): the encoder runs again and the decoder is *replayed* on the recorded inputs
+   (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same MoE gating noise and
+   MVMoE-L branch draws), for a static number of steps T rounded up from the steps actually needed to a
+   bucket (so only a handful of shapes ever compile). Since every step's inputs
+   are known up front, the steps are independent: they run as one vmapped batch per chunk of
+   ``replay_chunk`` steps (``lax.map``), which gives the accelerator large matmuls instead of T tiny
+   sequential ones; ``replay_remat`` recomputes each chunk in the backward pass to bound memory. The
+   replayed log-likelihood equals the sampling pass's (tested), so the gradient is the REINFORCE gradient
+   of the trajectories that were sampled.
+
+Loss (reference ``Trainer._train_one_batch``): ``reward = -cost``; per instance the baseline is the mean
+reward over its valid POMO starts; ``loss = mean over valid (instance, start) of -(reward - baseline) *
+log_likelihood + w * aux``, ``aux`` the MoE load-balancing loss of the encoder plus every decoding step as
+the rollout returns it (already weighted by the MoE layers' ``loss_coef`` = 1e-3, like the reference's
+``model.aux_loss``) and ``w = StepSettings.aux_loss_coef`` (the training loop sets it to the config's
+alpha / 1e-3). Padded POMO starts (mixed batches with backhaul variants) are excluded from both means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mvmoe_jax import problems
+from mvmoe_jax.instances import Instance, generate, generate_instance
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
+
+DATA_AXIS = "data"
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a non-finite loss or gradient."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling with a record of the decoder's inputs
+# ----------------------------------------------------------------------------------------------------
+
+def trajectory_shardings(mesh: Mesh) -> RolloutOutput:
+    """Batch-sharded placement of a recorded rollout (the batch axis is 0, or 1 after a step axis)."""
+    batch0, batch1, rep = (NamedSharding(mesh, P(DATA_AXIS)), NamedSharding(mesh, P(None, DATA_AXIS)),
+                           NamedSharding(mesh, P()))
+    return RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
+                         aux_loss=rep, num_steps=rep, masks=batch1, dynamic=batch1, active=batch1)
+
+
+def max_decoding_steps(num_customers: int, bucket: int) -> int:
+    """Length of the recording: 2n steps (a depot visit per customer at most), rounded up to a bucket."""
+    return -(-2 * num_customers // bucket) * bucket
+
+
+def replay_bucket(num_customers: int, bucket: int = 0) -> int:
+    """Granularity of the replay length: ``bucket`` if given, else ceil(n/4), so that a problem size sees a
+    few distinct lengths (compilations) and pads at most n/4 steps."""
+    return bucket if bucket > 0 else -(-num_customers // 4)
+
+
+def sample_trajectories(policy: Policy, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
+                        max_steps: int) -> RolloutOutput:
+    """Sample every POMO start of every instance in training mode (MoE gating noise on), recording the
+    decoder's inputs at each of ``max_steps`` steps for ``replay``. jit-compatible (``policy``,
+    ``pomo_size``, ``max_steps`` static)."""
+    return rollout(policy, params, inst, pomo_size=pomo_size, decode_type="sampling", rng=rng, train=True,
+                   max_steps=max_steps, record=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Differentiable replay and the loss
+# ----------------------------------------------------------------------------------------------------
+
+def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int,
+           chunk: int = 8, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced decoding of the recorded trajectories over their first ``num_steps`` (static)
+    steps: (log-likelihood (B, P), auxiliary loss ()), differentiable in ``params``.
+
+    ``num_steps`` must cover ``traj.num_steps``; steps past it contribute neither log-probability nor
+    auxiliary loss. ``rng`` is the key the trajectories were sampled with.
+    """
+    cfg = policy.cfg
+    k_enc, keys = decoding_keys(rng, num_steps)
+    emb, aux_enc = policy.apply(params, inst, True, method=Policy.encode, rngs={"gating": k_enc})
+    cache = policy.apply(params, emb, method=Policy.precompute)
+    current = jnp.moveaxis(traj.actions[..., :num_steps], -1, 0)              # (T, B, P)
+    chosen = jnp.moveaxis(traj.actions[..., 1:num_steps + 1], -1, 0)          # (T, B, P)
+
+    def decode(key, cur, dyn, mask, gate_probs):
+        return policy.apply(params, cache, cur, dyn, mask, gate_probs, True, method=Policy.decode,
+                            rngs={"gating": jax.random.split(key)[0]})
+
+    gate_probs = None
+    if cfg.hierarchical:
+        # MVMoE-L's dense-or-sparse probabilities come from the first step and serve every step (the
+        # gradient reaches the gate through all of them, as in the sequential rollout).
+        gate_probs = decode(keys[0], current[0], traj.dynamic[0], traj.masks[0], None)[2]
+
+    def one_step(xs):
+        t, key, cur, dyn, mask, act, active = xs
+        logp, aux_t, _ = decode(key, cur, dyn, mask, gate_probs)
+        picked = jnp.take_along_axis(logp, act[..., None], axis=-1)[..., 0]
+        return jnp.where(active, picked, 0.0), jnp.where(t < traj.num_steps, aux_t, 0.0)
+
+    if remat:
+        one_step = jax.checkpoint(one_step)
+    xs = (jnp.arange(num_steps), keys, current, traj.dynamic[:num_steps], traj.masks[:num_steps], chosen,
+          traj.active[:num_steps])
+    ll, aux = jax.lax.map(one_step, xs, batch_size=min(chunk, num_steps))
+    return ll.sum(0), aux_enc + aux.sum()
+
+
+def reinforce_loss(log_likelihood: jax.Array, cost: jax.Array, valid: jax.Array, aux_loss: jax.Array,
+                   aux_loss_coef: float) -> tuple[jax.Array, jax.Array]:
+    """(total loss, policy-gradient part) with the POMO shared baseline over the valid starts.
+
+    log_likelihood, cost, valid: (B, P). The advantage is a constant (costs come from the sampling pass).
+    """
+    reward = jnp.where(valid, -cost, 0.0)
+    count = jnp.maximum(valid.sum(-1, keepdims=True), 1)
+    advantage = jnp.where(valid, reward - reward.sum(-1, keepdims=True) / count, 0.0)
+    advantage = jax.lax.stop_gradient(advantage)
+    pg = -jnp.sum(advantage * log_likelihood) / jnp.maximum(valid.sum(), 1)
+    return pg + aux_loss_coef * aux_loss, pg
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimiser, state, step
+# ----------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+    """torch's ``Adam(lr, weight_decay)`` (L2 added to the gradient, not decoupled) with a one-step
+    ``MultiStepLR``: the rate is multiplied by ``decay_factor`` from optimiser step ``decay_step`` on."""
+
+    learning_rate: float
+    weight_decay: float = 0.0
+    decay_step: int | None = None
+    decay_factor: float = 0.1
+
+    def build(self) -> optax.GradientTransformation:
+        schedule = (optax.constant_schedule(self.learning_rate) if self.decay_step is None else
+                    optax.piecewise_constant_schedule(self.learning_rate, {int(self.decay_step): self.decay_factor}))
+        return optax.chain(optax.add_decayed_weights(self.weight_decay),
+                           optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+                           optax.scale_by_learning_rate(schedule))
+
+    def learning_rate_at(self, step: int) -> float:
+        decayed = self.decay_step is not None and step >= self.decay_step
+        return float(self.learning_rate) * (self.decay_factor if decayed else 1.0)
+
+
+def make_optimizer(learning_rate: float, weight_decay: float, decay_step: int | None = None,
+                   decay_factor: float = 0.1) -> optax.GradientTransformation:
+    return OptimizerSettings(learning_rate, weight_decay, decay_step, decay_factor).build()
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array          # int32 (): optimiser steps taken
+    params: Any              # {'params': ...}
+    opt_state: Any
+
+
+def create_train_state(params, tx: optax.GradientTransformation) -> TrainState:
+    """Step 0 with a fresh optimiser state (on the default device; see StepFunctions.init_state)."""
+    return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
+
+
+def init_params(cfg: PolicyConfig, key: jax.Array, num_customers: int = 20) -> dict:
+    """Fresh parameters of ``Policy(cfg)`` (the {'params': ...} collection); shapes do not depend on n."""
+    inst = generate(jax.random.key(0), 1, num_customers, "CVRP")
+    return _init_params(cfg, key, inst)
+
+
+@partial(jax.jit, static_argnums=0)
+def _init_params(cfg: PolicyConfig, key: jax.Array, inst: Instance) -> dict:
+    k_params, k_gate = jax.random.split(key)
+    return {"params": Policy(cfg).init({"params": k_params, "gating": k_gate}, inst)["params"]}
+
+
+def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
+                            variant_flags: tuple[tuple[bool, ...], ...], mixed: bool) -> Instance:
+    """Fresh instances: one variant drawn uniformly for the whole batch (the reference), or per instance
+    when ``mixed``. jit-compatible with everything but ``key`` static."""
+    table = jnp.asarray(np.asarray(variant_flags, bool))
+    k_var, k_inst = jax.random.split(key)
+    idx = jax.random.randint(k_var, (batch,) if mixed else (), 0, table.shape[0])
+    flags = table[jnp.broadcast_to(idx, (batch,))]
+    return jax.vmap(generate_instance, in_axes=(0, 0, None))(jax.random.split(k_inst, batch), flags,
+                                                             num_customers)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What a training step needs besides its inputs (static under jit)."""
+
+    pomo_size: int
+    aux_loss_coef: float
+    replay_chunk: int = 8
+    replay_remat: bool = False
+
+
+def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
+               inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int
+               ) -> tuple[TrainState, dict]:
+    """One optimiser step on sampled trajectories. A non-finite loss or gradient leaves the state as it
+    was (``metrics['finite']`` is False) so the caller can stop with the last good parameters."""
+
+    def loss_fn(params):
+        ll, aux = replay(policy, params, inst, traj, rng, num_steps=num_steps, chunk=settings.replay_chunk,
+                         remat=settings.replay_remat)
+        loss, pg = reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
+        return loss, (pg, aux, ll)
+
+    (loss, (pg, aux, ll)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                     opt_state=opt_state)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
+    best = jnp.where(traj.valid, traj.cost, jnp.inf).min(-1)
+    replay_error = jnp.max(jnp.abs(jnp.where(traj.valid, ll - traj.log_likelihood, 0.0)))
+    metrics = {"loss": loss, "pg_loss": pg, "aux_loss": aux, "grad_norm": grad_norm, "score": best.mean(),
+               "finite": finite, "replay_error": replay_error}
+    return new, metrics
+
+
+class StepFunctions:
+    """The jitted pieces of a training step on a device mesh (batch sharded over ``'data'``, parameters
+    and optimiser state replicated). With a one-device mesh this is the plain single-device step.
+
+    ``batch(key, size)`` -> Instance; ``sample(params, inst, rng)`` -> RolloutOutput (recorded);
+    ``update(state, inst, traj, rng, num_steps)`` -> (state, metrics); ``step(state, key, size)`` runs
+    all three for one batch drawn from ``key``.
+    """
+
+    def __init__(self, cfg: PolicyConfig, tx: optax.GradientTransformation | OptimizerSettings,
+                 settings: StepSettings, *, num_customers: int, variants: Sequence[str | problems.Variant],
+                 mixed: bool, mesh: Mesh, replay_bucket_size: int = 0):
+        if isinstance(tx, OptimizerSettings):
+            tx = tx.build()
+        self.tx = tx
+        self.policy = Policy(cfg)
+        self.mesh = mesh
+        self.num_devices = mesh.devices.size
+        self.bucket = replay_bucket(num_customers, replay_bucket_size)
+        self.max_steps = max_decoding_steps(num_customers, self.bucket)
+        flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in variants)
+        self.replicated = NamedSharding(mesh, P())
+        self.batch_sharding = NamedSharding(mesh, P(DATA_AXIS))
+        self._batch = jax.jit(partial(generate_training_batch, num_customers=num_customers,
+                                      variant_flags=flags, mixed=mixed),
+                              static_argnums=1, out_shardings=self.batch_sharding)
+        self._sample = jax.jit(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
+                                       max_steps=self.max_steps),
+                               out_shardings=trajectory_shardings(mesh))
+        self._update = jax.jit(partial(train_step, self.policy, tx, settings), static_argnames="num_steps",
+                               out_shardings=(self.replicated, self.replicated))
+
+    @classmethod
+    @functools.lru_cache(maxsize=8)
+    def cached(cls, cfg: PolicyConfig, opt: OptimizerSettings, settings: StepSettings, *, num_customers: int,
+               variants: tuple[str, ...], mixed: bool, mesh: Mesh, replay_bucket_size: int = 0
+               ) -> "StepFunctions":
+        """The same functions for the same arguments, so that runs in one process (a resumed run, the
+        tests) reuse what was compiled."""
+        return cls(cfg, opt, settings, num_customers=num_customers, variants=variants, mixed=mixed, mesh=mesh,
+                   replay_bucket_size=replay_bucket_size)
+
+    def init_state(self, params) -> TrainState:
+        """A fresh optimiser around ``params``, replicated over the mesh."""
+        return self.replicate(create_train_state(params, self.tx))
+
+    def check_batch_size(self, size: int) -> None:
+        if size % self.num_devices:
+            raise ValueError(f"a batch of {size} instances cannot be split over {self.num_devices} devices; "
+                             f"use a batch size divisible by {self.num_devices}")
+
+    def replicate(self, tree):
+        return jax.device_put(tree, self.replicated)
+
+    def batch(self, key: jax.Array, size: int) -> Instance:
+        self.check_batch_size(size)
+        return self._batch(key, size)
+
+    def sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
+        self.check_batch_size(inst.locs.shape[0])
+        return self._sample(params, jax.device_put(inst, self.batch_sharding), rng)
+
+    def replay_length(self, needed: int) -> int:
+        return min(self.max_steps, -(-max(1, needed) // self.bucket) * self.bucket)
+
+    def update(self, state: TrainState, inst: Instance, traj: RolloutOutput, rng: jax.Array,
+               num_steps: int | None = None) -> tuple[TrainState, dict]:
+        """``num_steps`` defaults to the bucket above the steps the trajectories needed (a host sync)."""
+        if num_steps is None:
+            num_steps = self.replay_length(int(traj.num_steps))
+        return self._update(state, jax.device_put(inst, self.batch_sharding), traj, rng, num_steps=num_steps)
+
+    def step(self, state: TrainState, key: jax.Array, size: int) -> tuple[TrainState, dict]:
+        """A whole training step on a fresh batch drawn from ``key`` (deterministic in ``key``)."""
+        k_data, k_roll = jax.random.split(key)
+        inst = self.batch(k_data, size)
+        traj = self.sample(state.params, inst, k_roll)
+        return self.update(state, inst, traj, k_roll)
+
+
+def step_key(base_key: jax.Array, step: int) -> jax.Array:
+    """The PRNG key of optimiser step ``step``: a pure function of the run's key and the step, so a
+    resumed run draws exactly what an uninterrupted one would."""
+    return jax.random.fold_in(base_key, step)
+
+
+def make_mesh(devices=None) -> Mesh:
+    """A one-axis (``'data'``) mesh over ``devices`` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else list(devices)
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+

@@ -1,0 +1,296 @@
+"""The training run: config checks, resume from the workdir's checkpoints, fine-tuning, the epoch loop.
+
+A run is described by one ml_collections config (``configs/*.py``). Its workdir holds::
+
+    <workdir>/checkpoints/<epoch>/{params, config, opt_state, train_meta}   orbax CheckpointManager
+    <workdir>/metrics.jsonl                                                one JSON record per epoch
+    <workdir>/validation.png                                               validation curves
+
+``checkpoints.restore_policy(workdir)`` / ``load_policy(workdir)`` read the latest parameters. Starting the
+same command again resumes from the latest checkpoint and continues exactly as an uninterrupted run:
+every optimiser step draws its data and sampling keys from ``fold_in(run key, step)``, and the parameters,
+optimiser state (with its step counts, hence the learning-rate schedule), epoch and run key are restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from mvmoe_jax import checkpoints, problems, training
+from mvmoe_jax.cli import policy_config
+from mvmoe_jax.instances import CAPACITY_BY_SIZE
+from mvmoe_jax.nn import moe as moe_lib
+from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.training import NonFiniteError, StepFunctions, StepSettings, TrainState
+from mvmoe_jax.training_validation import Validator, append_metrics, plot_validation, truncate_metrics
+
+CHECKPOINT_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "validation.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a config means for the loop."""
+
+    policy: PolicyConfig
+    variants: tuple[str, ...]
+    steps_per_epoch: int
+    last_batch: int                     # size of an epoch's last batch (the remainder, as the reference)
+    optimizer: training.OptimizerSettings
+
+    def batch_size_of(self, index: int, batch_size: int) -> int:
+        return self.last_batch if index == self.steps_per_epoch - 1 else batch_size
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def check_config(config: ml_collections.ConfigDict) -> RunPlan:
+    """Validate a run config (clear ValueErrors) and derive the run's plan."""
+    n = config.problem_size
+    _require(n in CAPACITY_BY_SIZE, f"problem_size must be one of {sorted(CAPACITY_BY_SIZE)} (the paper's "
+             f"generator defines capacities for those), got {n}")
+    _require(1 <= config.pomo_size <= n, f"pomo_size must be between 1 and problem_size ({n}), got "
+             f"{config.pomo_size}")
+    for name in ("batch_size", "epochs", "train_episodes", "checkpoint_every_epochs", "replay_chunk",
+                 "validation_instances", "validation_batch_size", "keep_checkpoints"):
+        _require(int(config[name]) >= 1, f"{name} must be a positive integer, got {config[name]}")
+    _require(config.validate_every_epochs >= 0, "validate_every_epochs must be >= 0 (0: never)")
+    _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
+    _require(config.weight_decay >= 0, f"weight_decay must be >= 0, got {config.weight_decay}")
+    _require(config.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {config.aux_loss_coef}")
+    _require(0 < config.lr_decay_epoch_fraction <= 1,
+             f"lr_decay_epoch_fraction must be in (0, 1], got {config.lr_decay_epoch_fraction}")
+    _require(not config.finetune_from or os.path.exists(config.finetune_from),
+             f"finetune_from: no checkpoint at {config.finetune_from}")
+    variants = tuple(v.name for v in problems.parse_variants(config.train_problems))
+    problems.parse_variants(config.validation_problems or config.train_problems)
+    policy = policy_config(config.model)
+    _require(policy.model != "pomo" or len(variants) == 1,
+             f"model 'pomo' is the single-task baseline: give one variant in train_problems (got "
+             f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
+    _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
+    steps = math.ceil(config.train_episodes / config.batch_size)
+    last = config.train_episodes - (steps - 1) * config.batch_size
+    # torch MultiStepLR(milestones=[int(f * epochs) + 1]) stepped once per epoch: the decayed rate applies
+    # from 0-based epoch int(f * epochs) + 1 (the paper's 5000 epochs: epochs 4502..5000, 1-based).
+    decay_epoch = int(config.lr_decay_epoch_fraction * config.epochs) + 1
+    decay_step = decay_epoch * steps if decay_epoch < config.epochs else None
+    optimizer = training.OptimizerSettings(float(config.learning_rate), float(config.weight_decay), decay_step,
+                                           float(config.lr_decay_factor))
+    return RunPlan(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer)
+
+
+def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> StepFunctions:
+    """The (cached) jitted training step of a run on ``mesh``."""
+    # The MoE layers already weigh their load-balancing loss by DEFAULT_LOSS_COEF (the reference's 1e-3);
+    # aux_loss_coef is the paper's alpha on the unweighted loss.
+    settings = StepSettings(pomo_size=config.pomo_size,
+                            aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
+                            replay_chunk=config.replay_chunk, replay_remat=config.replay_remat)
+    return StepFunctions.cached(plan.policy, plan.optimizer, settings, num_customers=config.problem_size,
+                                variants=plan.variants, mixed=config.mixed_batches, mesh=mesh,
+                                replay_bucket_size=config.replay_bucket)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+def checkpoint_manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    return ocp.CheckpointManager(os.path.join(workdir, CHECKPOINT_DIR), options=options)
+
+
+def save_checkpoint(mngr: ocp.CheckpointManager, epoch: int, state: TrainState, cfg: PolicyConfig,
+                    meta: dict) -> None:
+    mngr.save(epoch, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params), config=ocp.args.JsonSave(cfg.to_dict()),
+        opt_state=ocp.args.StandardSave(state.opt_state), train_meta=ocp.args.JsonSave(meta)))
+
+
+def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: PolicyConfig,
+                       epoch: int | None = None) -> tuple[TrainState, dict]:
+    """(state, train_meta) of ``epoch`` (default: the latest), restored onto the structure and shardings
+    of ``template``; a ValueError if the stored model is not ``cfg``."""
+    epoch = mngr.latest_step() if epoch is None else epoch
+    stored = mngr.restore(epoch, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    _check_same_model(stored, cfg, os.path.dirname(os.fspath(mngr.directory)))
+    got = mngr.restore(epoch, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(template.params), opt_state=ocp.args.StandardRestore(template.opt_state),
+        train_meta=ocp.args.JsonRestore()))
+    meta = got["train_meta"]
+    state = TrainState(step=jax.numpy.int32(meta["step"]), params=got["params"], opt_state=got["opt_state"])
+    return state, meta
+
+
+def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> None:
+    want = requested.to_dict()
+    diff = [f"{k}: stored {stored.get(k)!r}, requested {want[k]!r}" for k in want if stored.get(k) != want[k]]
+    if diff:
+        raise ValueError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use another "
+                         "workdir, or the stored model settings to resume")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------
+
+def _say(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def _validation_sharding(config, fns: StepFunctions):
+    """Shard validation batches over the mesh when they split evenly; with several processes each one
+    validates on its own devices (the results must be addressable to be read back)."""
+    if jax.process_count() == 1 and config.validation_batch_size % fns.num_devices == 0:
+        return fns.batch_sharding
+    return None
+
+
+def _format_val(val: dict) -> str:
+    return "  ".join(f"{k} {v['obj']:.4f}" + (f" ({v['gap']:.2f}%)" if v["gap"] is not None else "")
+                     for k, v in val.items())
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None, stop_after_epoch: int | None = None
+                       ) -> dict:
+    """Train (or resume, or fine-tune) as ``config`` says; returns the last epoch's metrics record.
+
+    devices: the devices of the data-parallel mesh (default: all). stop_after_epoch: end the run after
+    this epoch (its checkpoint written), as if it had been killed there; running again resumes.
+    Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
+    last good checkpoint stays the latest).
+    """
+    plan = check_config(config)
+    if config.distributed:
+        jax.distributed.initialize()
+    mesh = training.make_mesh(devices)
+    n_dev = mesh.devices.size
+    for size in {config.batch_size, plan.last_batch}:
+        _require(size % n_dev == 0, f"batch of {size} instances cannot be split over {n_dev} devices: "
+                 f"batch_size (and train_episodes mod batch_size, when not 0) must be divisible by {n_dev}")
+    workdir = os.path.abspath(config.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    metrics_path = os.path.join(workdir, METRICS_FILE)
+    cfg = plan.policy
+
+    fns = step_functions(config, plan, mesh)
+    k_init, run_key = jax.random.split(jax.random.key(config.seed))
+    template = fns.init_state(training.init_params(cfg, k_init))
+    mngr = checkpoint_manager(workdir, config.keep_checkpoints)
+    try:
+        if mngr.latest_step() is not None:
+            state, meta = restore_checkpoint(mngr, template, cfg)
+            start_epoch = meta["epoch"]
+            run_key = jax.random.wrap_key_data(np.asarray(meta["rng_key_data"], np.uint32))
+            truncate_metrics(metrics_path, start_epoch)
+            _say(f"resuming {workdir} from epoch {start_epoch} (step {meta['step']})")
+        else:
+            params = template.params
+            if config.finetune_from:
+                _, params = checkpoints.load_policy(config.finetune_from, cfg)
+                _say(f"fine-tuning from {config.finetune_from} with a fresh optimiser")
+            state = fns.init_state(params)
+            start_epoch = 0
+            truncate_metrics(metrics_path, -1)
+        state = fns.replicate(state)
+        return _run(config, plan, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
+                    stop_after_epoch)
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+
+
+def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
+         workdir: str, metrics_path: str, stop_after_epoch: int | None) -> dict:
+    cfg = plan.policy
+    validator = None
+    if config.validate_every_epochs:
+        validator = Validator(cfg, variants=config.validation_problems or config.train_problems,
+                              num_customers=config.problem_size, pomo_size=config.pomo_size,
+                              num_instances=config.validation_instances,
+                              batch_size=config.validation_batch_size, data_dir=config.data_dir,
+                              augment=config.validation_aug, seed=config.validation_seed,
+                              sharding=_validation_sharding(config, fns))
+        _say(f"validation sets: {validator.describe()}")
+    _say(f"training {cfg.model} on {','.join(plan.variants)} (n={config.problem_size}, pomo={config.pomo_size}) "
+         f"with {fns.num_devices} device(s): {config.epochs} epochs x {plan.steps_per_epoch} steps of "
+         f"{config.batch_size}; workdir {workdir}")
+    meta_base = {"seed": config.seed, "rng_key_data": np.asarray(jax.random.key_data(run_key)).tolist(),
+                 "steps_per_epoch": plan.steps_per_epoch, "config": config.to_dict()}
+    is_main = jax.process_index() == 0
+    record: dict = {}
+    wall0 = time.perf_counter()
+
+    def validate(record):
+        t0 = time.perf_counter()
+        record["val"] = validator(state.params)
+        record["time"]["validation_seconds"] = time.perf_counter() - t0
+        _say(f"  validation: {_format_val(record['val'])}")
+
+    if start_epoch == 0 and validator is not None:
+        record = {"epoch": 0, "step": 0, "time": {}}
+        validate(record)
+        if is_main:
+            append_metrics(metrics_path, record)
+            plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
+
+    for epoch in range(start_epoch + 1, config.epochs + 1):
+        t0 = time.perf_counter()
+        sums = {k: 0.0 for k in ("loss", "pg_loss", "aux_loss", "score", "grad_norm")}
+        count = 0
+        bar = tqdm(range(plan.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
+                   disable=not (config.progress_bar and is_main))
+        for i in bar:
+            size = plan.batch_size_of(i, config.batch_size)
+            step = (epoch - 1) * plan.steps_per_epoch + i
+            state, m = fns.step(state, training.step_key(run_key, step), size)
+            m = jax.device_get(m)
+            if not m["finite"]:
+                last = mngr.latest_step()
+                raise NonFiniteError(
+                    f"non-finite loss or gradient at step {step} (epoch {epoch}, batch {i + 1}/"
+                    f"{plan.steps_per_epoch}): loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}. "
+                    "Stopped without saving this state; the last good checkpoint is "
+                    + (f"epoch {last} in {os.path.join(workdir, CHECKPOINT_DIR)}" if last is not None
+                       else "none (no epoch had completed)"))
+            for k in sums:
+                sums[k] += float(m[k]) * size
+            count += size
+            bar.set_postfix(score=f"{sums['score'] / count:.4f}", loss=f"{sums['loss'] / count:.4f}")
+        bar.close()
+        train_s = time.perf_counter() - t0
+        step = epoch * plan.steps_per_epoch
+        record = {"epoch": epoch, "step": step, "lr": plan.optimizer.learning_rate_at(step - 1),
+                  "train": {k: v / count for k, v in sums.items()},
+                  "time": {"train_seconds": train_s, "instances_per_second": count / train_s}}
+        _say(f"epoch {epoch}/{config.epochs}: score {record['train']['score']:.4f}  loss "
+             f"{record['train']['loss']:.4f}  aux {record['train']['aux_loss']:.5f}  "
+             f"{count / train_s:.1f} inst/s  ({train_s:.1f}s)")
+        if validator is not None and (epoch == 1 or epoch % config.validate_every_epochs == 0
+                                      or epoch == config.epochs):
+            validate(record)
+        record["time"]["wall_seconds"] = time.perf_counter() - wall0
+        if is_main:
+            append_metrics(metrics_path, record)
+            if "val" in record:
+                plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
+        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.epochs or epoch == stop_after_epoch:
+            save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
+        if stop_after_epoch is not None and epoch >= stop_after_epoch:
+            break
+    return record

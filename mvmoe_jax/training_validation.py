@@ -1,0 +1,133 @@
+"""Validation during training, the metrics file and the plot of the validation curves.
+
+Validation is greedy POMO decoding (optionally x8 augmentation) of the first ``validation_instances`` of
+the paper's test set of each validated variant at ``<data_dir>/<VARIANT>/<variant><n>_uniform.pkl``, with
+the gap to the paper's reference solutions where they exist. A variant without a paper set at this size
+(n = 20, say) is validated on a fixed generated set (seeded by ``validation_seed``) and reports the
+objective only. Every set has the same shapes, so ``rollout.greedy_evaluate`` compiles once per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from mvmoe_jax import evaluation, io, problems
+from mvmoe_jax.instances import Instance, generate
+from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.rollout import greedy_evaluate
+
+
+class Validator:
+    """Fixed validation sets of one run and their evaluation."""
+
+    def __init__(self, cfg: PolicyConfig, *, variants, num_customers: int, pomo_size: int, num_instances: int,
+                 batch_size: int, data_dir: str | None, augment: bool, seed: int, sharding=None):
+        self.cfg = cfg
+        self.sharding = sharding      # batch sharding over a device mesh, or None
+        self.pomo_size = pomo_size
+        self.batch_size = max(1, min(batch_size, num_instances))
+        self.augment = augment
+        self.sets: dict[str, tuple[Instance, np.ndarray | None, str]] = {}
+        for i, var in enumerate(problems.parse_variants(variants)):
+            path = io.dataset_path(data_dir, var, num_customers) if data_dir else ""
+            if path and os.path.exists(path):
+                inst = io.load_paper_instances(path, var, num_instances=num_instances)
+                ref_path = io.reference_solution_path(data_dir, var, num_customers)
+                ref = None
+                if os.path.exists(ref_path):
+                    ref, _ = io.load_paper_solutions(ref_path, num_instances=inst.locs.shape[0])
+                    ref = ref if len(ref) == inst.locs.shape[0] else None
+                self.sets[var.name] = (inst, ref, path)
+            else:
+                key = jax.random.fold_in(jax.random.key(seed), i)
+                self.sets[var.name] = (generate(key, num_instances, num_customers, var), None,
+                                       f"generated (seed {seed})")
+
+    def describe(self) -> str:
+        return "; ".join(f"{name}: {inst.locs.shape[0]} from {src}" + (" with reference" if ref is not None else "")
+                         for name, (inst, ref, src) in self.sets.items())
+
+    def __call__(self, params) -> dict[str, dict]:
+        """{variant: {"obj": mean objective, "gap": mean gap % or None}}."""
+        params = jax.device_get(params) if jax.process_count() > 1 else params
+        out = {}
+        for name, (inst, ref, _) in self.sets.items():
+            obj = self._objectives(params, inst)
+            gap = evaluation.gap_percent(obj, ref) if ref is not None else None
+            out[name] = {"obj": float(np.mean(obj)), "gap": gap}
+        return out
+
+    def _objectives(self, params, inst: Instance) -> np.ndarray:
+        k = inst.locs.shape[0]
+        objs = []
+        for i, lo in enumerate(range(0, k, self.batch_size)):
+            hi = min(lo + self.batch_size, k)
+            batch = evaluation._pad_batch(jax.tree.map(lambda x: x[lo:hi], inst), self.batch_size)
+            if self.sharding is not None:
+                batch = jax.device_put(batch, self.sharding)
+            res = greedy_evaluate(self.cfg, params, batch, jax.random.fold_in(jax.random.key(0), i),
+                                  pomo_size=self.pomo_size, augment=self.augment)
+            res = jax.device_get(res)
+            objs.append((res.obj if self.augment else res.obj_no_aug)[: hi - lo])
+        return np.concatenate(objs).astype(np.float64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metrics file and plot
+# ----------------------------------------------------------------------------------------------------
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, last_epoch: int) -> None:
+    """Drop the records of epochs after ``last_epoch`` (written before a crash, after the checkpoint)."""
+    rows = read_metrics(path)
+    keep = [r for r in rows if r.get("epoch", 0) <= last_epoch]
+    if len(keep) != len(rows):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+
+
+def append_metrics(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def plot_validation(metrics_path: str, out_path: str) -> bool:
+    """Objective (and gap, where known) per validated variant against the epoch. False if nothing to plot."""
+    rows = [r for r in read_metrics(metrics_path) if r.get("val")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(v for r in rows for v in r["val"]))
+    has_gap = any(r["val"][v].get("gap") is not None for r in rows for v in r["val"])
+    fig, axes = plt.subplots(1, 2 if has_gap else 1, figsize=(11 if has_gap else 6, 4), squeeze=False)
+    for name in names:
+        pts = [(r["epoch"], r["val"][name]) for r in rows if name in r["val"]]
+        axes[0, 0].plot([e for e, _ in pts], [v["obj"] for _, v in pts], marker=".", label=name)
+        if has_gap:
+            gaps = [(e, v["gap"]) for e, v in pts if v.get("gap") is not None]
+            axes[0, 1].plot([e for e, _ in gaps], [g for _, g in gaps], marker=".", label=name)
+    axes[0, 0].set(xlabel="epoch", ylabel="objective (greedy)", title="validation objective")
+    if has_gap:
+        axes[0, 1].set(xlabel="epoch", ylabel="gap %", title="validation gap")
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,276 @@
+"""Training: the sampled rollout and its differentiable replay, the REINFORCE loss, one optimiser step,
+resume, the sharded step, non-finite losses and the train.py command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT, SHARED_DIR
+from configs import demo
+from configs.common import model_config
+from mvmoe_jax import checkpoints, instances, rollout, training, training_loop, training_validation
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
+
+N = 20
+TINY = dict(embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=("Enc0", "Dec"))
+
+
+def tiny_policy(model: str) -> PolicyConfig:
+    return PolicyConfig(model=model, **TINY)
+
+
+def tiny_config(workdir, **overrides):
+    """The demo config shrunk to seconds per epoch."""
+    c = demo.get_config()
+    c.workdir = str(workdir)
+    c.model = model_config(model="mvmoe", **TINY)
+    c.train_problems = "CVRP,VRPB,OVRPTW"
+    c.batch_size = 8
+    c.train_episodes = 16
+    c.epochs = 4
+    c.validation_instances = 8
+    c.validation_batch_size = 8
+    c.progress_bar = False
+    for k, v in overrides.items():
+        c[k] = v
+    return c
+
+
+def mixed_batch(size=8, seed=2):
+    # Backhaul variants have 16 of 20 starts: the padded starts must stay out of baseline and loss.
+    return instances.generate(jax.random.key(seed), size, N, ["CVRP", "VRPB", "OVRPTW", "VRPBLTW"])
+
+
+def loop_functions(config):
+    """The step functions train_and_evaluate builds for ``config`` (cached: the tests share compilations)."""
+    plan = training_loop.check_config(config)
+    return training_loop.step_functions(config, plan, training.make_mesh()), plan
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param("pomo", marks=pytest.mark.slow), pytest.param("pomo_mtl", marks=pytest.mark.slow),
+    pytest.param("mvmoe", marks=pytest.mark.slow), "mvmoe_light"])
+def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
+    """Recording the decoder's inputs does not change the rollout (same actions, log-likelihoods, aux
+    loss); the teacher-forced replay with the same keys (MoE gating noise, MVMoE-L's branch draws) gives
+    the same log-likelihood and aux loss, also over steps past the end of the batch (which must
+    contribute nothing) and with a partial last chunk."""
+    cfg = tiny_policy(model)
+    policy = Policy(cfg)
+    params = training.init_params(cfg, jax.random.key(1))
+    inst, rng = mixed_batch(), jax.random.key(3)
+    ref = jax.jit(lambda p, i, r: rollout.rollout(policy, p, i, pomo_size=N, decode_type="sampling", rng=r,
+                                                  train=True))(params, inst, rng)
+    # 44 recorded steps (2n = 40 suffice), replayed in chunks of 8: a remainder chunk and padded steps.
+    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=44))(
+        params, inst, rng)
+    t = int(traj.num_steps)
+    assert t <= 40
+    np.testing.assert_array_equal(traj.actions[..., :t + 1], ref.actions[..., :t + 1])
+    np.testing.assert_array_equal(traj.log_likelihood, ref.log_likelihood)
+    np.testing.assert_array_equal(traj.aux_loss, ref.aux_loss)
+    np.testing.assert_array_equal(traj.valid, ref.valid)
+    assert not traj.valid.all()
+    ll, aux = jax.jit(lambda p, i, tr, r: training.replay(policy, p, i, tr, r, num_steps=44, chunk=8))(
+        params, inst, traj, rng)
+    np.testing.assert_allclose(ll, traj.log_likelihood, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(aux, traj.aux_loss, rtol=1e-5, atol=1e-9)
+    assert (float(traj.aux_loss) > 0) == cfg.uses_moe
+
+
+def test_loss_matches_an_independent_recomputation_and_a_step_lowers_it(tmp_path):
+    fns, plan = loop_functions(tiny_config(tmp_path))
+    state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
+    inst, rng = mixed_batch(), jax.random.key(5)
+    traj = fns.sample(state.params, inst, rng)
+
+    # The loss recomputed in numpy from the sampled rollout's costs and log-likelihoods (float64).
+    cost, ll, valid = (np.asarray(traj.cost, np.float64), np.asarray(traj.log_likelihood, np.float64),
+                       np.asarray(traj.valid))
+    assert not valid.all()
+    terms = []
+    for b in range(cost.shape[0]):
+        reward = -cost[b, valid[b]]
+        terms.extend(-(reward - reward.mean()) * ll[b, valid[b]])
+    alpha = 0.01 / 1e-3                   # the paper's alpha over the MoE layers' own 1e-3 weighting
+    expected = np.mean(terms) + alpha * float(traj.aux_loss)
+
+    new_state, m = fns.update(state, inst, traj, rng)
+    assert bool(m["finite"]) and int(new_state.step) == 1
+    # The replay's log-likelihood equals the sampling pass's to ~1e-5 (summation order), hence the rel.
+    assert float(m["loss"]) == pytest.approx(expected, rel=1e-4)
+    assert float(m["score"]) == pytest.approx(np.mean(np.where(valid, cost, np.inf).min(1)), rel=1e-6)
+    assert float(m["replay_error"]) < 1e-3
+
+    # The same trajectories scored with the updated parameters: the REINFORCE surrogate went down.
+    _, m_after = fns.update(new_state, inst, traj, rng)
+    assert float(m_after["loss"]) < float(m["loss"]) - 1e-3, (float(m["loss"]), float(m_after["loss"]))
+
+    # A non-finite loss leaves the state as it was and says so.
+    poisoned = state.replace(params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+    kept, m_nan = fns.update(poisoned, inst, traj, rng)
+    assert not bool(m_nan["finite"]) and int(kept.step) == 0
+
+
+def _strip_time(rows):
+    return [{k: v for k, v in r.items() if k != "time"} for r in rows]
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = tiny_config(tmp_path / "straight")
+    training_loop.train_and_evaluate(straight)
+    resumed = tiny_config(tmp_path / "resumed")
+    training_loop.train_and_evaluate(resumed, stop_after_epoch=2)          # "killed" after epoch 2
+    with training_loop.checkpoint_manager(resumed.workdir) as mngr:
+        assert mngr.latest_step() == 2
+    last = training_loop.train_and_evaluate(resumed)                          # the same call again
+    assert last["epoch"] == 4
+
+    _, p1 = checkpoints.load_policy(straight.workdir)
+    _, p2 = checkpoints.load_policy(resumed.workdir)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), p1, p2)
+    rows1 = training_validation.read_metrics(os.path.join(straight.workdir, "metrics.jsonl"))
+    rows2 = training_validation.read_metrics(os.path.join(resumed.workdir, "metrics.jsonl"))
+    assert [r["epoch"] for r in rows2] == [0, 1, 2, 3, 4]
+    assert _strip_time(rows1) == _strip_time(rows2)
+    assert os.path.getsize(os.path.join(resumed.workdir, "validation.png")) > 0
+
+    # Fine-tuning starts from the trained parameters (its first validation is the source run's last)
+    # with a fresh optimiser.
+    tuned = tiny_config(tmp_path / "tuned", epochs=1, finetune_from=straight.workdir)
+    training_loop.train_and_evaluate(tuned)
+    rows3 = training_validation.read_metrics(os.path.join(tuned.workdir, "metrics.jsonl"))
+    assert rows3[0]["val"] == rows1[-1]["val"] and rows3[-1]["step"] == 2
+
+    # Another model in the same workdir is refused.
+    other = tiny_config(tmp_path / "resumed", epochs=5)
+    other.model.embedding_dim = 32
+    with pytest.raises(ValueError, match="another model"):
+        training_loop.train_and_evaluate(other)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path / "run", epochs=1)
+    training_loop.train_and_evaluate(config)
+    _, good = checkpoints.load_policy(config.workdir)
+
+    original = training.StepFunctions.step
+
+    def diverging(self, state, key, size):        # what the jitted step reports for a NaN loss
+        new, m = original(self, state, key, size)
+        return state, dict(m, finite=np.bool_(False), loss=np.float32(np.nan))
+
+    monkeypatch.setattr(training.StepFunctions, "step", diverging)
+    config = tiny_config(tmp_path / "run", epochs=2)
+    with pytest.raises(training.NonFiniteError, match=r"non-finite loss or gradient at step 2 \(epoch 2.*"
+                                                      r"last good checkpoint is epoch 1"):
+        training_loop.train_and_evaluate(config)
+    with training_loop.checkpoint_manager(config.workdir) as mngr:
+        assert mngr.latest_step() == 1
+    _, after = checkpoints.load_policy(config.workdir)
+    jax.tree.map(np.testing.assert_array_equal, good, after)
+
+
+SHARDED_SCRIPT = r"""
+import json, jax, numpy as np, optax
+from mvmoe_jax import training, training_loop
+from mvmoe_jax.nn.policy import PolicyConfig
+cfg = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
+                   expert_loc=("Enc0", "Dec"))
+params = training.init_params(cfg, jax.random.key(0))
+out = {"devices": len(jax.devices())}
+for opt_name, opt in (("sgd", optax.sgd(1e-2)),):
+    res = {}
+    for name, devs in (("one", jax.devices()[:1]), ("all", jax.devices())):
+        fns = training.StepFunctions(cfg, opt, training.StepSettings(pomo_size=20, aux_loss_coef=10.0),
+                                     num_customers=20, variants=("CVRP", "VRPB", "OVRPTW"), mixed=True,
+                                     mesh=training.make_mesh(devs), replay_bucket_size=40)
+        state, m = fns.step(fns.init_state(params), jax.random.key(7), 8)
+        res[name] = (jax.device_get(state), jax.device_get(m))
+        sharding = state.params["params"]["Wk"]["kernel"].sharding
+    (s1, m1), (s2, m2) = res["one"], res["all"]
+    out[opt_name] = {
+        "param_diff": max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(s1.params),
+                                                                     jax.tree.leaves(s2.params))),
+        "score": [float(m1["score"]), float(m2["score"])], "loss": [float(m1["loss"]), float(m2["loss"])],
+        "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape)}
+try:
+    fns.batch(jax.random.key(0), 7)
+except ValueError as e:
+    out["odd_batch"] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_sharded_step_equals_the_single_device_step():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["devices"] == 2
+    r = out["sgd"]
+    assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6)     # the same sampled trajectories
+    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+    assert r["replicated"] and "2" in r["mesh"]
+    # The same gradient, hence (plain SGD) the same parameters. Adam is left out on purpose: it divides
+    # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact arithmetic
+    # (the bias before an instance norm) into lr-sized steps whichever way the sums are ordered.
+    assert r["param_diff"] < 1e-6
+    assert "cannot be split over 2 devices" in out["odd_batch"]
+
+
+TINY_FLAGS = ["--config.model.embedding_dim=16", "--config.model.num_heads=2", "--config.model.num_layers=1",
+              "--config.model.ff_hidden_dim=32", "--config.model.expert_loc=Enc0,Dec"]
+
+
+def _train_py(*args, env=None):
+    return subprocess.run([sys.executable, "train.py", "--config=configs/demo.py", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_train_py_end_to_end(tmp_path):
+    workdir = tmp_path / "wd"
+    proc = _train_py(f"--config.workdir={workdir}", "--config.epochs=1", "--config.train_episodes=16",
+                     "--config.batch_size=8", "--config.validation_instances=8",
+                     "--config.validation_batch_size=8", "--config.progress_bar=False", *TINY_FLAGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1/1" in proc.stdout and "validation:" in proc.stdout
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1]
+    assert set(rows[1]["val"]) == {"CVRP", "OVRP", "VRPB", "VRPL", "VRPTW", "OVRPTW"}
+    assert (workdir / "validation.png").stat().st_size > 0
+    cfg, params = checkpoints.load_policy(workdir)
+    assert cfg.model == "mvmoe" and cfg.embedding_dim == 16
+
+    fixtures = SHARED_DIR / "fixtures" / "torch-reference" / "data"
+    if fixtures.exists():
+        ev = subprocess.run([sys.executable, "evaluate.py", "--config=configs/demo.py", *TINY_FLAGS,
+                             f"--checkpoint={workdir}", f"--data_dir={fixtures}", "--size=20", "--aug=1",
+                             "--problems=CVRP", "--num_instances=4", "--noprogress"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        assert "CVRP" in ev.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config.train_problems=CVRP,VRPZ"], "unknown VRP variant 'VRPZ'"),
+    (["--config.batch_size=7"], "cannot be split over 2 devices"),
+    (["--config.problem_size=30"], "problem_size must be one of"),
+    (["--config.no_such_field=1"], "unknown config field 'no_such_field'"),
+    (["--config.batch_size=abc"], "batch_size"),
+    (["--config.finetune_from=/no/such/run"], "finetune_from: no checkpoint at /no/such/run"),
+])
+def test_train_py_bad_input(tmp_path, args, message):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = _train_py(f"--config.workdir={tmp_path / 'wd'}", *args, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
