@@ -4,7 +4,8 @@ or on CVRPLIB / Solomon files.
     python evaluate.py --config=configs/mvmoe.py --checkpoint=PATH --problems=ALL \
         --data_dir=../shared/data/mvmoe-paper --size=50 --aug=8 --output=results.json
 
-Prints a table (variant, objective, gap, time) and writes JSON
+``--config`` may be left out: the model configuration is then the one stored with the checkpoint (or read
+off the .pt file). Prints a table (variant, objective, gap, time) and writes JSON
 ``{variant: {"obj": [...], "obj_no_aug": [...], "mean": float, "gap": float | null, "seconds": float,
 "compile_seconds": float}}``. ``seconds`` excludes compilation.
 """
@@ -20,7 +21,9 @@ from ml_collections import config_flags
 
 from mvmoe_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/mvmoe.py", "Model / run configuration file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
+    "with an orbax checkpoint or read off a .pt file.")
 flags.DEFINE_string("checkpoint", None, "orbax checkpoint directory, training workdir or original .pt file.")
 flags.DEFINE_string("problems", "ALL", "Comma list of variants, ALL, TRAIN or UNSEEN.")
 flags.DEFINE_string("data_dir", None, "Folder in the paper's layout: DIR/<VARIANT>/<variant><size>_uniform.pkl.")

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
 
 import jax
@@ -29,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mvmoe_jax import instances, rollout, training
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 MODELS = {"pomo_mtl": "POMO-MTL", "mvmoe": "MVMoE/4E", "mvmoe_light": "MVMoE/4E-L"}
@@ -112,28 +116,13 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
             "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj))}
 
 
-def measure_train(model: str, size: int, batch: int, repeats: int = 3, **cfg_kw) -> dict:
-    cfg = PolicyConfig(model=model, **cfg_kw)
-    tx = training.make_optimizer(1e-4, 1e-6)
-    settings = training.StepSettings(pomo_size=size, aux_loss_coef=0.01)
-    fns = training.StepFunctions(cfg, tx, settings, num_customers=size, variants=("CVRP",), mixed=False,
-                                 mesh=training.make_mesh())
-    state = fns.replicate(training.create_train_state(init_params(cfg, size), tx))
-    t0 = time.perf_counter()
-    state, m = fns.step(state, jax.random.key(0), batch)
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        state, m = fns.step(state, jax.random.key(r + 1), batch)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
-    seconds = min(times)
-    # The first timed call may still compile a new replay-length bucket: take the best of the repeats.
-    return {"mode": "train", "model": model, "size": size, "batch": batch, "seconds": seconds,
-            "instances_per_second": batch / seconds, "compile_seconds": compile_s - seconds,
-            "loss": float(m["loss"])}
+def measure_train(model: str, size: int, batch: int, steps: int = 3, **cfg_kw) -> dict:
+    """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py)."""
+    if cfg_kw:
+        raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
+    row = train_throughput.measure(model, size, size, batch, steps, chunk=8, remat=False)
+    row.update(mode="train", model=model, seconds=row["step_seconds"])
+    return row
 
 
 def run(mode: str, model: str, size: int, batch: int, peak: float | None, **kw) -> dict:

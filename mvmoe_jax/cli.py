@@ -14,6 +14,9 @@ from mvmoe_jax import checkpoints, evaluation, io, problems
 from mvmoe_jax.nn.policy import PolicyConfig
 
 
+DEFAULT_EVAL_BATCH = 64
+
+
 def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
     """config.model (ConfigDict; expert_loc as a comma string, capacity_factor 0 = none) -> PolicyConfig."""
     d = dict(model.to_dict() if hasattr(model, "to_dict") else model)
@@ -35,13 +38,15 @@ def print_table(rows: list[tuple[str, float, float, float | None, float]]) -> No
         print(f"{name:10s} {obj:9.4f} {no_aug:10.4f} {_fmt(gap, '8.3f'):>8s} {secs:8.2f}")
 
 
-def run_evaluation(config: ml_collections.ConfigDict, flags: Any) -> dict:
+def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:
     """Evaluate a checkpoint on the paper's datasets (``flags.data_dir``) or on CVRPLIB / Solomon files
-    (``flags.vrplib_dir``). Returns the JSON-ready results."""
-    cfg, params = checkpoints.load_policy(flags.checkpoint, policy_config(config.model))
+    (``flags.vrplib_dir``). With ``config`` None the checkpoint's own model configuration is used.
+    Returns the JSON-ready results."""
+    wanted = None if config is None else policy_config(config.model)
+    cfg, params = checkpoints.load_policy(flags.checkpoint, wanted)
     if flags.aug not in (1, 8):
         raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
-    batch_size = flags.batch_size or config.eval_batch_size
+    batch_size = flags.batch_size or (config.eval_batch_size if config is not None else DEFAULT_EVAL_BATCH)
     print(f"model {cfg.model} from {flags.checkpoint}")
     if flags.vrplib_dir:
         return _evaluate_vrplib(cfg, params, flags, batch_size)

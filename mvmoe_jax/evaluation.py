@@ -39,7 +39,7 @@ class DatasetResult:
         return float(np.mean(self.obj))
 
 
-def _pad_batch(inst: Instance, size: int) -> Instance:
+def pad_batch(inst: Instance, size: int) -> Instance:
     """Pad a batch to ``size`` instances by repeating its first instance."""
     have = inst.locs.shape[0]
     if have == size:
@@ -60,7 +60,7 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
     rng = jax.random.key(seed)
 
     t0 = time.perf_counter()
-    first = _pad_batch(take(inst, np.arange(min(bs, k))), bs)
+    first = pad_batch(take(inst, np.arange(min(bs, k))), bs)
     compiled = greedy_evaluate.lower(cfg, params, first, rng, pomo_size=pomo, augment=augment).compile()
     compile_s = time.perf_counter() - t0
 
@@ -69,7 +69,7 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
     starts = range(0, k, bs)
     for i, lo in enumerate(tqdm(starts, desc=desc, disable=not progress, leave=False)):
         hi = min(lo + bs, k)
-        batch = _pad_batch(take(inst, np.arange(lo, hi)), bs)
+        batch = pad_batch(take(inst, np.arange(lo, hi)), bs)
         res = compiled(params, batch, jax.random.fold_in(rng, i))
         res = jax.device_get(res)
         if not res.all_finished[: hi - lo].all():

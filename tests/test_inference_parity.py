@@ -95,3 +95,15 @@ def test_evaluate_py_unknown_variant(torch_fixtures):
            f"--data_dir={torch_fixtures / 'data'}", "--size=20", "--noprogress"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "unknown VRP variant 'VRPZ'" in proc.stderr
+
+
+def test_evaluate_py_without_config_uses_the_checkpoints_model(torch_fixtures, tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "evaluate.py", f"--checkpoint={torch_fixtures / 'checkpoints' / 'moe_n20_fixture.pt'}",
+           "--problems=OVRPBL", f"--data_dir={torch_fixtures / 'data'}", "--size=20", "--num_instances=6",
+           f"--output={out}", "--noprogress"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "model mvmoe" in proc.stdout
+    ref = json.loads((torch_fixtures / "results" / "moe.json").read_text())
+    np.testing.assert_allclose(json.loads(out.read_text())["OVRPBL"]["obj"], ref["OVRPBL"]["aug"][:6], rtol=1e-4)

@@ -10,10 +10,13 @@ Model (``ENV_SEMANTICS.md``; integers as explained in ``common``):
   after it), nothing else. Linehauls and backhauls may therefore mix on a route in any order that keeps
   net in [0, 1]; a route can never open with a backhaul.
   The environment's vehicle leaves full (net 0) while any linehaul is unserved and empty (net = 1 in
-  these terms) once all are. So there are two vehicle types: ``nA`` = #linehauls vehicles starting at
-  net 0, and (B only) ``nB`` = #backhauls vehicles starting at net = capacity that may visit backhauls
-  only. Their routes are output last, when every linehaul has been served, which is exactly when the
-  environment's vehicle leaves empty. Without B this is the usual capacity dimension.
+  these terms) once all are. So there are two vehicle types: type A, one vehicle per non-backhaul
+  customer, starting at net 0; and (B only) type B, one per backhaul, starting at net = capacity and
+  barred from linehauls. Type-B routes are output after every type-A route, i.e. once every linehaul
+  has been served, which is exactly when the environment's vehicle leaves empty. (The vehicle leaving
+  full whatever it delivers means a route's linehauls may even total more than the capacity when
+  backhauls are picked up in between; the paper's OR-Tools model instead let the vehicle leave with any
+  load, which is looser.) Without B this is the usual capacity dimension.
 * L: dimension ``length`` (arc lengths rounded up; with O, arcs into the depot are 0), at most the limit
   rounded down at every node; closed routes also need length + d(j, 0) <= limit at every customer j
   (rule 4, set as a per-node bound).
