@@ -1,8 +1,8 @@
 """Reference solvers (mvmoe_jax.baselines): every route passes the environment's checker with the same cost,
 the OR-Tools model admits exactly the routes the environment admits, the command line, bad input.
 
-The solvers are an optional extra (``pip install 'mvmoe-jax[baselines]'``): these tests skip without
-them, except under CI (CI=true), where a missing solver is a failure.
+The solvers are dependencies of the package; should one be missing (a partial install), these tests skip,
+except under CI (CI=true), where a missing solver is a failure.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _require(module: str):
         return __import__(module)
     except ImportError:
         if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {module} is not installed (pip install '.[baselines]')")
-        pytest.skip(f"{module} not installed (optional extra: pip install 'mvmoe-jax[baselines]')")
+            pytest.fail(f"CI=true but {module} is not installed (pip install -e .)")
+        pytest.skip(f"{module} not installed (pip install -e .)")
 
 
 @pytest.fixture(scope="module")
