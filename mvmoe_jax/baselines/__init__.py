@@ -15,8 +15,8 @@ a cost that differs from the checker's raises ``InfeasibleSolutionError``.
     sols.save("ortools_vrpbltw50.pkl")  # the paper's solution format
 
 Command line: ``python -m mvmoe_jax.baselines --solver=ortools --problem=VRPBLTW --data=FILE.pkl
---num_instances=K --time_limit=SECONDS --workers=2 --output=FILE.pkl``. The solvers are an optional
-extra: ``pip install 'mvmoe-jax[baselines]'``.
+--num_instances=K --time_limit=SECONDS --workers=2 --output=FILE.pkl``. Both solvers are dependencies
+of the package.
 """
 
 from __future__ import annotations

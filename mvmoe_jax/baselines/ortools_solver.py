@@ -45,7 +45,7 @@ def _import():
         from ortools.constraint_solver import pywrapcp, routing_enums_pb2
     except ImportError as e:  # pragma: no cover - depends on the install
         raise common.SolverUnavailableError(
-            "OR-Tools is not installed; install the extra: pip install 'mvmoe-jax[baselines]' "
+            "OR-Tools is not installed (a dependency of mvmoe-jax: reinstall with pip install -e .) "
             f"(or pip install ortools) ({e})") from None
     return pywrapcp, routing_enums_pb2
 

@@ -35,7 +35,7 @@ def _import():
         import pyvrp.stop
     except ImportError as e:  # pragma: no cover - depends on the install
         raise common.SolverUnavailableError(
-            "PyVRP is not installed; install the extra: pip install 'mvmoe-jax[baselines]' "
+            "PyVRP is not installed (a dependency of mvmoe-jax: reinstall with pip install -e .) "
             f"(or pip install pyvrp) ({e})") from None
     return pyvrp
 
