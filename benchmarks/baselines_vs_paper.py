@@ -152,8 +152,8 @@ def _f(x, spec=".4f"):
 
 NOTES_ORTOOLS = """Reading the table. Without backhauls both runs solve the same problem with the same search
 (parallel cheapest insertion + guided local search) and budget, so the means agree within the noise of a
-20 s run on a shared machine (the load column is the 1-minute load average on 2 cores; the paper's runs
-had a core each). With backhauls they do not solve the same problem. In our environment a vehicle leaves
+20 s run on a shared machine (the load column is the 1-minute load average on 2 cores, which our two
+workers shared with other jobs: a loaded run costs roughly 1-2 % in objective). With backhauls they do not solve the same problem. In our environment a vehicle leaves
 the depot full (load 1) while any linehaul is unserved, so on every route the amount picked up so far
 can never exceed the amount delivered so far (net = delivered - picked up stays in [0, 1]), a route can
 never open with a backhaul, and routes of backhauls only (leaving empty) must come after every linehaul.
@@ -161,7 +161,10 @@ Every route of the paper's OR-Tools B files instead fits "net range <= capacity"
 leave with any load, which admits routes that open with backhauls or pick up more than they delivered:
 most of them fail our checker with `backhaul_overload`, and reordering sub-tours does not repair them.
 Their problem is a relaxation of ours, so our objective is higher, most of all with time windows, where
-a backhaul whose window is early can no longer start a route."""
+a backhaul whose window is early can no longer start a route. Control: the same OR-Tools search on the
+paper's looser model (`ortools_solver.solve_problem(..., free_start_load=True)`, diagnostics only)
+reproduces the paper's 20 s means (first 6 instances, 20 s: VRPB 7.322 vs the paper's 7.319, VRPBTW
+13.806 vs 13.723), so the gap in the B rows is the semantics, not the search."""
 
 
 def markdown(results: dict) -> str:

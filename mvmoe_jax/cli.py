@@ -68,12 +68,7 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
         res = evaluation.evaluate_dataset(
             cfg, params, inst, pomo_size=flags.pomo_size, augment=flags.aug == 8, batch_size=batch_size,
             seed=flags.seed, progress=flags.progress, desc=var.name)
-        ref_path = flags.reference or io.reference_solution_path(flags.data_dir, var, flags.size)
-        gap = None
-        if os.path.exists(ref_path):
-            ref_cost, _ = io.load_paper_solutions(ref_path, num_instances=len(res.obj))
-            if len(ref_cost) == len(res.obj):
-                gap = evaluation.gap_percent(res.obj, ref_cost)
+        gap, ref_path = _gap(flags, var, res.obj)
         results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
                              "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
                              "seconds": res.seconds, "compile_seconds": res.compile_seconds,
@@ -86,6 +81,23 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
     print()
     print_table(rows)
     return results
+
+
+def _gap(flags, var, obj: np.ndarray) -> tuple[float | None, str]:
+    """Gap to ``--reference`` (which must exist and cover every instance) or, when none is given, to the
+    paper's reference solver file beside the dataset if there is one (None otherwise)."""
+    explicit = bool(flags.reference)
+    ref_path = flags.reference or io.reference_solution_path(flags.data_dir, var, flags.size)
+    if not os.path.exists(ref_path):
+        if explicit:
+            raise FileNotFoundError(f"--reference: no solution file at {ref_path}")
+        return None, ref_path
+    ref_cost, _ = io.load_paper_solutions(ref_path, num_instances=len(obj))
+    if len(ref_cost) != len(obj):
+        if explicit:
+            raise ValueError(f"--reference {ref_path} has {len(ref_cost)} solutions for {len(obj)} instances")
+        return None, ref_path
+    return evaluation.gap_percent(obj, ref_cost), ref_path
 
 
 def _read_benchmark_file(path: str):

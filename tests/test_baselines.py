@@ -193,6 +193,10 @@ def test_backhaul_rule_derivation(ortools_solver):
     for (route, expected), c in zip(cases, checks):
         assert c.feasible == expected, (route, c.violation)
         assert ortools_solver.model_accepts(p, list(route)) == expected, route
+    # The paper's looser model (the vehicle may leave with any load) admits a route opening with a backhaul.
+    assert ortools_solver.model_accepts(p, [3, 1, 2, 4, 0, 5], free_start_load=True)
+    assert ortools_solver.model_accepts(p, [1, 5, 0, 2, 3, 4], free_start_load=True)       # leaves with 4
+    assert not ortools_solver.model_accepts(p, [1, 2, 4, 0, 5, 3], free_start_load=True)   # picks 15 > 10
     # Customer 1 (6) can carry neither backhaul (7, 8) home, and 7 + 8 > 10: the solver must return
     # [1] first, then the two backhaul-only tours.
     inst = _tiny_backhaul_instance([6, -7, -8])

@@ -107,3 +107,20 @@ def test_evaluate_py_without_config_uses_the_checkpoints_model(torch_fixtures, t
     assert "model mvmoe" in proc.stdout
     ref = json.loads((torch_fixtures / "results" / "moe.json").read_text())
     np.testing.assert_allclose(json.loads(out.read_text())["OVRPBL"]["obj"], ref["OVRPBL"]["aug"][:6], rtol=1e-4)
+
+
+def test_reference_file_gaps_and_errors(torch_fixtures, tmp_path):
+    from mvmoe_jax import io
+    flags = _flags(torch_fixtures, "mtl", problems="CVRP", num_instances=4, batch_size=4)
+    ours = cli.run_evaluation(CONFIGS["mtl"].get_config(), flags)["CVRP"]
+    ref = tmp_path / "ref.pkl"
+    io.save_paper_solutions(ref, [c * 0.9 for c in ours["obj"]], [[1]] * 4)
+    flags.reference = str(ref)
+    res = cli.run_evaluation(CONFIGS["mtl"].get_config(), flags)["CVRP"]
+    assert res["gap"] == pytest.approx(100 * (1 / 0.9 - 1), rel=1e-6)
+    io.save_paper_solutions(ref, ours["obj"][:2], [[1]] * 2)
+    with pytest.raises(ValueError, match="has 2 solutions for 4 instances"):
+        cli.run_evaluation(CONFIGS["mtl"].get_config(), flags)
+    flags.reference = str(tmp_path / "missing.pkl")
+    with pytest.raises(FileNotFoundError, match="--reference: no solution file"):
+        cli.run_evaluation(CONFIGS["mtl"].get_config(), flags)

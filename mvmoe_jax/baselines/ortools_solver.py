@@ -59,9 +59,14 @@ def _floor(x) -> np.ndarray:
     return np.floor(np.asarray(x, np.float64) * common.SCALE + 1e-6).astype(np.int64)
 
 
-def build_model(problem: Problem):
+def build_model(problem: Problem, *, free_start_load: bool = False):
     """Build the routing model. Returns (manager, routing, info) where info holds what reading the
-    solution back needs (vehicle types)."""
+    solution back needs (vehicle types).
+
+    ``free_start_load`` (diagnostics only, NOT the environment's semantics): type-A vehicles may leave with
+    any load, i.e. net range <= capacity on every route, the looser backhaul model every route of the
+    paper's OR-Tools files satisfies. Its routes generally fail the environment's checker.
+    """
     pywrapcp, _ = _import()
     p = problem
     n = p.num_customers
@@ -96,7 +101,10 @@ def build_model(problem: Problem):
     routing.AddDimension(net_cb, 0, int(cap), False, "net")
     net_dim = routing.GetDimensionOrDie("net")
     for v in range(num_vehicles):
-        net_dim.CumulVar(routing.Start(v)).SetValue(0 if v < num_a else int(cap))
+        if v < num_a and free_start_load:
+            net_dim.CumulVar(routing.Start(v)).SetRange(0, int(cap))
+        else:
+            net_dim.CumulVar(routing.Start(v)).SetValue(0 if v < num_a else int(cap))
     if num_b:
         type_b = list(range(num_a, num_vehicles))
         for j in linehauls:
@@ -174,7 +182,7 @@ def _singleton_routes(info, num_vehicles: int) -> list[list[int]]:
     return routes
 
 
-def model_accepts(problem: Problem, route) -> bool:
+def model_accepts(problem: Problem, route, *, free_start_load: bool = False) -> bool:
     """Whether the OR-Tools model admits a flat route (for checking the model against the environment).
 
     Each sub-tour goes to a vehicle of the type the environment would start it with: full (type A)
@@ -182,7 +190,7 @@ def model_accepts(problem: Problem, route) -> bool:
     """
     from mvmoe_jax.checker import split_subtours
 
-    manager, routing, info = build_model(problem)
+    manager, routing, info = build_model(problem, free_start_load=free_start_load)
     num_vehicles = info["num_a"] + info["num_b"]
     routes = [[] for _ in range(num_vehicles)]
     linehaul_left = set(int(j) for j in np.flatnonzero(problem.demand > 0))
@@ -205,12 +213,14 @@ def model_accepts(problem: Problem, route) -> bool:
     return routing.ReadAssignmentFromRoutes(routes, False) is not None
 
 
-def solve_problem(problem: Problem, time_limit: float = 20.0, log: bool = False) -> SolveResult:
-    """Solve one problem: parallel cheapest insertion, then guided local search for ``time_limit`` s."""
+def solve_problem(problem: Problem, time_limit: float = 20.0, log: bool = False,
+                  free_start_load: bool = False) -> SolveResult:
+    """Solve one problem: parallel cheapest insertion, then guided local search for ``time_limit`` s.
+    (``free_start_load``: see ``build_model``; diagnostics only.)"""
     pywrapcp, enums = _import()
     limit_ms = common.time_limit_ms(time_limit)
     with common.Timer() as timer:
-        manager, routing, info = build_model(problem)
+        manager, routing, info = build_model(problem, free_start_load=free_start_load)
         num_vehicles = info["num_a"] + info["num_b"]
         params = pywrapcp.DefaultRoutingSearchParameters()
         params.first_solution_strategy = enums.FirstSolutionStrategy.PARALLEL_CHEAPEST_INSERTION
