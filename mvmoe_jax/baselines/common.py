@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from mvmoe_jax import checker
+
 SCALE = 10 ** 7                 # integer units per unit of distance / time
 FALLBACK_DEMAND_SCALE = 10 ** 8  # units per capacity when demands are not fractions of an integer capacity
 MAX_INTEGER_CAPACITY = 10_000
@@ -49,8 +51,9 @@ class SolverUnavailableError(ImportError):
     """The solver's package (ortools / pyvrp) is not installed."""
 
 
-class InfeasibleInstanceError(BaselineError):
-    """An instance has a customer that no route can serve."""
+class InfeasibleInstanceError(BaselineError, checker.InfeasibleInstanceError):
+    """An instance has a customer that no route can serve (also a ``checker.InfeasibleInstanceError``, so
+    one ``except`` serves the evaluator's and the solvers' refusals)."""
 
 
 class InfeasibleSolutionError(RuntimeError):
