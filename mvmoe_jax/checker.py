@@ -28,6 +28,11 @@ class InfeasibleInstanceError(ValueError):
     """An instance has a customer that no route can serve."""
 
 
+class RouteVerificationError(RuntimeError):
+    """A route that a solver or decoder produced is infeasible, or its reported cost is not the
+    environment's: a bug in whatever produced it, never a property of the instance."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RouteCheck:
     """Outcome of replaying one route.
@@ -125,6 +130,24 @@ def check_route(instance: Instance, route: Sequence[int]) -> RouteCheck:
     """Check one route on a single (unbatched) Instance."""
     batched = jax.tree.map(lambda x: jnp.asarray(x)[None], instance)
     return check_routes(batched, [route])[0]
+
+
+def verify_routes(instances: Instance, routes: Sequence[Sequence[int]], costs, *, source: str,
+                  rtol: float = 1e-5, error: type[RouteVerificationError] = RouteVerificationError
+                  ) -> list[RouteCheck]:
+    """Replay every route; raise ``error`` naming the instances whose route is infeasible or whose
+    reported cost differs from the checker's by more than ``rtol`` (relative). Returns the checks."""
+    checks = check_routes(instances, routes)
+    bad = []
+    for i, (c, cost) in enumerate(zip(checks, costs)):
+        if not c.feasible:
+            bad.append(f"instance {i}: {c.violation} at position {c.position} (node {c.node})")
+        elif abs(c.cost - float(cost)) > rtol * max(abs(c.cost), 1e-12):
+            bad.append(f"instance {i}: reported cost {float(cost):.7f} but the checker's is {c.cost:.7f}")
+    if bad:
+        raise error(f"{source}: {len(bad)} of {len(checks)} routes fail the environment's checker: "
+                    + "; ".join(bad[:5]))
+    return checks
 
 
 def split_subtours(route: Sequence[int]) -> list[list[int]]:

@@ -56,7 +56,7 @@ class InfeasibleInstanceError(BaselineError, checker.InfeasibleInstanceError):
     one ``except`` serves the evaluator's and the solvers' refusals)."""
 
 
-class InfeasibleSolutionError(RuntimeError):
+class InfeasibleSolutionError(checker.RouteVerificationError):
     """A solver returned a route that the environment's checker rejects (a modelling bug)."""
 
 
@@ -265,21 +265,10 @@ def collect(solver: str, results: Sequence[SolveResult]) -> Solutions:
 def verify(instances, solutions: Solutions, rtol: float = 1e-5) -> list:
     """Replay every route through the environment's checker; raise InfeasibleSolutionError if one is
     infeasible or its reported cost differs from the checker's by more than ``rtol`` (relative)."""
-    from mvmoe_jax import checker
-
-    checks = checker.check_routes(instances, solutions.routes)
-    bad = []
-    for i, (c, cost) in enumerate(zip(checks, solutions.costs)):
-        if not c.feasible:
-            bad.append(f"instance {i}: {c.violation} at position {c.position} (node {c.node})")
-        elif abs(c.cost - cost) > rtol * max(abs(c.cost), 1e-12):
-            bad.append(f"instance {i}: reported cost {cost:.7f} but the checker's is {c.cost:.7f}")
-    if bad:
-        raise InfeasibleSolutionError(
-            f"{solutions.solver}: {len(bad)} of {len(checks)} solutions fail the environment's checker "
-            f"(a modelling bug, please report it): " + "; ".join(bad[:5]))
-    solutions.checks = checks
-    return checks
+    solutions.checks = checker.verify_routes(
+        instances, solutions.routes, solutions.costs, rtol=rtol, error=InfeasibleSolutionError,
+        source=f"{solutions.solver} (a modelling bug, please report it)")
+    return solutions.checks
 
 
 def time_limit_ms(seconds: float) -> int:
