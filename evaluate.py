@@ -39,6 +39,13 @@ flags.DEFINE_string("reference", None, "Solution file (paper format) to compute 
 flags.DEFINE_string("output", None, "Write results as JSON here.")
 flags.DEFINE_integer("seed", 0, "Seed (MVMoE-L samples its dense-or-sparse gate in evaluation).")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
+flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Matmul input dtype (default: the model's).")
+flags.DEFINE_enum("moe_dispatch", None, ["auto", "dense", "grouped", "sparse", "einsum"],
+                  "MoE execution strategy (default: the model's; auto = grouped on CPU, dense elsewhere).")
+flags.DEFINE_bool("fused_readout", None, "Fold the node embeddings into the decoder's combining projection "
+                  "(default: the model's, on).")
+flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~1,600 trajectories "
+                     "on CPU, the whole batch on accelerators).")
 FLAGS = flags.FLAGS
 
 

@@ -5,19 +5,24 @@ One workload (the contract used by external checks)::
     python benchmarks/throughput.py --model=mvmoe --size=50 --batch=64 --mode=infer --output=FILE
 
 writes ``{"instances_per_second", "compile_seconds", "device", "seconds", "flops_per_instance",
-"achieved_gflops", "fraction_of_matmul_peak", "peak_memory_bytes", ...}``. Without ``--model`` it sweeps
-every model, the sizes in ``--sizes`` and the batch sizes in ``--batches`` and prints a markdown table.
+"achieved_gflops", "fraction_of_matmul_peak", "seconds_over_flop_limit", "peak_memory_bytes", ...}``.
+Without ``--model`` it sweeps every model, the sizes in ``--sizes`` and the batch sizes in ``--batches``
+and prints a markdown table. ``--torch`` runs RL4CO (the ``[torch]`` extra) on the same workloads in the
+same process and adds its figures and our speed-up.
 
-Inference: greedy decoding from all n starts with x8 augmentation (``--aug``). Training: full optimiser
+Inference: greedy decoding from all n starts with x8 augmentation (``--aug``), with trained weights where
+available (``--weights``; the decoding steps, hence the time, depend on them). Training: full optimiser
 steps (sampling rollout, replayed decoder, backward pass, Adam). Instances per second exclude compilation,
-which is reported separately. FLOPs come from XLA's cost analysis of the encoder and of one decoding step
-(a ``while_loop`` body is counted once by XLA, so the decoder's FLOPs are multiplied by the steps the
-rollout actually took); the achieved rate is compared with a matmul peak measured in the same run.
+which is reported separately. FLOPs are those the compiled program executes, from XLA's cost analysis of
+the encoder and of one decoding step at the decoding chunk's size (a ``while_loop`` body is counted once
+by XLA, so the steps each chunk ran are multiplied in here); the FLOP limit is those FLOPs at the matmul
+peak measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -29,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mvmoe_jax import instances, rollout, training
+from mvmoe_jax import checkpoints, env, instances, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
@@ -74,65 +79,139 @@ def _flops(compiled) -> float:
     return float(cost.get("flops", 0.0)) if cost else 0.0
 
 
-def init_params(cfg: PolicyConfig, n: int):
-    return training.init_params(cfg, jax.random.key(0), n)
+FIXTURE_CHECKPOINTS = {"pomo_mtl": "mtl_n20_fixture.pt", "mvmoe": "moe_n20_fixture.pt",
+                       "mvmoe_light": "moe_light_n20_fixture.pt"}
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def model_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, decode_steps: float) -> float:
-    """Encoder FLOPs + decoding-step FLOPs x steps, per (un-augmented) instance of ``inst``'s batch."""
+def load_weights(model: str, size: int, weights: str, **cfg_kw) -> tuple[PolicyConfig, dict, str]:
+    """(config, params, description). ``weights``: 'random' (initialisation, seed 0), 'auto' (the briefly
+    trained reference checkpoint of ``shared/fixtures`` when present, else random), or a checkpoint path.
+
+    Trained weights matter: an untrained policy returns to the depot often, so greedy decoding needs up to
+    2n steps (99 at n = 50) where a trained one needs ~64.
+    """
+    path = None
+    if weights == "auto":
+        candidate = os.path.join(os.path.dirname(REPO_ROOT), "shared", "fixtures", "torch-reference",
+                                 "checkpoints", FIXTURE_CHECKPOINTS[model])
+        path = candidate if os.path.exists(candidate) else None
+    elif weights != "random":
+        path = weights
+    if path is None:
+        cfg = PolicyConfig(model=model, **cfg_kw)
+        return cfg, training.init_params(cfg, jax.random.key(0), size), "random initialisation (seed 0)"
+    cfg, params = checkpoints.load_policy(path)
+    if cfg.model != model:
+        raise ValueError(f"{path} holds a {cfg.model} model, not {model}")
+    return dataclasses.replace(cfg, **cfg_kw), params, os.path.basename(path.rstrip("/"))
+
+
+def executed_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk: int,
+                                chunk_steps: np.ndarray, num_instances: int) -> float:
+    """FLOPs the compiled program executes per instance of the (augmented) batch of ``num_instances``:
+    XLA's cost analysis of the encoder (with the decoder's precomputation) and of one decoding step, both
+    at the chunk's batch size, times the chunks and the steps each chunk ran (a ``while_loop`` body is
+    counted once by XLA, so the steps are multiplied in here)."""
     policy = Policy(cfg)
-    b, n1 = inst.locs.shape[0], inst.locs.shape[1]
-    enc = jax.jit(lambda p, i: policy.apply(p, i, False, method=Policy.encode, rngs={"gating": jax.random.key(0)}))
-    enc_c = enc.lower(params, inst).compile()
-    emb, _ = enc(params, inst)
-    cache = policy.apply(params, emb, method=Policy.precompute)
+    sub = jax.tree.map(lambda x: x[:chunk], inst)
+    rng = jax.random.key(0)
+    enc_c = jax.jit(lambda p, i: rollout.encode(policy, p, i, rng)).lower(params, sub).compile()
+    cache, _ = rollout.encode(policy, params, sub, rng)
+    states, _, _ = rollout.initial_states(sub, pomo)
 
-    def one_step(p, cache, cur, dyn, mask, probs):
-        return policy.apply(p, cache, cur, dyn, mask, probs, False, method=Policy.decode,
-                            rngs={"gating": jax.random.key(0)})
+    def one_step(p, cache, states):
+        mask = env.batch_action_mask(states)
+        return policy.apply(p, cache, states.current, rollout.dynamic_features(states), mask,
+                            jnp.full((2,), 0.5) if cfg.hierarchical else None, False, method=Policy.decode,
+                            rngs={"gating": rng})
 
-    args = (params, cache, jnp.zeros((b, pomo), jnp.int32), jnp.zeros((b, pomo, 4)), jnp.ones((b, pomo, n1), bool),
-            jnp.full((2,), 0.5) if cfg.hierarchical else None)
-    dec_c = jax.jit(one_step).lower(*args).compile()
-    return (_flops(enc_c) + _flops(dec_c) * decode_steps) / b
+    dec_c = jax.jit(one_step).lower(params, cache, states).compile()
+    total = len(chunk_steps) * _flops(enc_c) + float(np.sum(chunk_steps)) * _flops(dec_c)
+    return total / num_instances
 
 
-def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, **cfg_kw) -> dict:
-    cfg = PolicyConfig(model=model, **cfg_kw)
-    params = init_params(cfg, size)
+def _augmented(inst, aug: int):
+    if aug == 1:
+        return inst
+    a = instances.augment_8(inst)
+    return jax.tree.map(lambda x: x.reshape((8 * x.shape[1],) + x.shape[2:]), a)
+
+
+def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
+                  chunk_size: int | None = None, **cfg_kw) -> dict:
+    cfg, params, weights_desc = load_weights(model, size, weights, **cfg_kw)
     inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
+    run_kw = dict(pomo_size=size, augment=aug == 8, chunk_size=chunk_size)
     t0 = time.perf_counter()
-    compiled = rollout.greedy_evaluate.lower(cfg, params, inst, jax.random.key(0), pomo_size=size,
-                                             augment=aug == 8).compile()
+    compiled = rollout.greedy_evaluate.lower(cfg, params, inst, jax.random.key(0), **run_kw).compile()
     compile_s = time.perf_counter() - t0
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
     seconds = min(_timed(lambda: jax.block_until_ready(compiled(params, inst, jax.random.key(r))))
                   for r in range(repeats))
-    decode_steps = float(res.num_steps)
-    flops = model_flops_per_instance(cfg, params, inst, size, decode_steps) * (8 if aug == 8 else 1)
+    flat = _augmented(inst, aug)
+    m = flat.locs.shape[0]
+    chunk = rollout.default_chunk_size(size, size + 1) if chunk_size is None else chunk_size
+    chunk = m if chunk is None else min(chunk, m)
+    chunk_steps = np.asarray(res.chunk_steps)
+    flops = executed_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, m) * (m // batch)
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
-            "instances_per_second": batch / seconds, "compile_seconds": compile_s,
-            "decode_steps": decode_steps, "flops_per_instance": flops,
+            "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
+            "moe_dispatch": cfg.dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
+            "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
+            "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,
             "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj))}
 
 
-def measure_train(model: str, size: int, batch: int, steps: int = 3, **cfg_kw) -> dict:
+def default_replay(backend: str | None = None) -> tuple[int, bool]:
+    """(replay_chunk, replay_remat) for the backend: on CPU two steps at a time, recomputed in the backward
+    pass (storing every step's attention weights costs more memory traffic than recomputing them); on
+    accelerators the configs' 8 steps at a time, stored."""
+    return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
+
+
+def measure_train(model: str, size: int, batch: int, steps: int = 3, replay_chunk: int | None = None,
+                  replay_remat: bool | None = None, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py)."""
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
-    row = train_throughput.measure(model, size, size, batch, steps, chunk=8, remat=False)
+    chunk, remat = default_replay()
+    chunk = chunk if replay_chunk is None else replay_chunk
+    remat = remat if replay_remat is None else replay_remat
+    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
 
-def run(mode: str, model: str, size: int, batch: int, peak: float | None, **kw) -> dict:
+def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_torch: bool = False,
+        **kw) -> dict:
     row = (measure_infer if mode == "infer" else measure_train)(model, size, batch, **kw)
     row["device"] = device_description()
     row["peak_memory_bytes"] = peak_memory_bytes()
     if peak and "achieved_gflops" in row:
         row["matmul_peak_gflops"] = peak
         row["fraction_of_matmul_peak"] = row["achieved_gflops"] / peak
+        row["flop_limit_seconds"] = row["flops_per_instance"] * batch / (peak * 1e9)
+        row["seconds_over_flop_limit"] = row["seconds"] / row["flop_limit_seconds"]
+    if with_torch:
+        row["torch"] = torch_row(mode, model, size, batch, kw.get("aug", 8))
+        if "instances_per_second" in row["torch"]:
+            row["speedup_vs_torch"] = row["instances_per_second"] / row["torch"]["instances_per_second"]
+        if row["torch"].get("decode_steps") and row.get("decode_steps"):
+            # Decisions (hence steps) differ between differently initialised policies: per step as well.
+            row["per_step_speedup_vs_torch"] = ((row["torch"]["seconds"] / row["torch"]["decode_steps"])
+                                                / (row["seconds"] / row["decode_steps"]))
     return row
+
+
+def torch_row(mode: str, model: str, size: int, batch: int, aug: int) -> dict:
+    """RL4CO on the same workload (the same generated instances for inference), in this process."""
+    import torch_peer  # benchmarks/torch_peer.py; needs the [torch] extra
+
+    if mode == "infer":
+        inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
+        return torch_peer.torch_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), aug=aug)
+    return torch_peer.torch_train(model, size, batch)
 
 
 def main():
@@ -144,8 +223,16 @@ def main():
     p.add_argument("--sizes", default="20,50,100")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--aug", type=int, default=8, choices=[1, 8])
-    p.add_argument("--dispatch", default=None, help="MoE execution: dense | sparse | einsum")
+    p.add_argument("--weights", default="auto",
+                   help="auto (the reference fixture checkpoints in ../shared when present, else random) | "
+                        "random | a checkpoint path (inference)")
+    p.add_argument("--chunk_size", type=int, default=None,
+                   help="instances decoded at once in inference (default: rollout.default_chunk_size)")
+    p.add_argument("--dispatch", default=None, help="MoE execution: auto | dense | grouped | sparse | einsum")
+    p.add_argument("--fused_readout", default=None, choices=["true", "false"])
     p.add_argument("--compute_dtype", default=None, help="float32 | bfloat16")
+    p.add_argument("--torch", action="store_true",
+                   help="also run RL4CO (pip install -e '.[torch]') on the same workloads, with the ratios")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
 
@@ -154,40 +241,67 @@ def main():
         kw["moe_dispatch"] = args.dispatch
     if args.compute_dtype:
         kw["compute_dtype"] = args.compute_dtype
+    if args.fused_readout:
+        kw["fused_readout"] = args.fused_readout == "true"
+    if args.torch:
+        import torch_peer
+        if not torch_peer.rl4co_available():
+            p.error("--torch needs RL4CO: pip install -e '.[torch]'")
     models = [args.model] if args.model else list(MODELS)
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",")]
     batches = [args.batch] if args.batch else [int(b) for b in args.batches.split(",")]
     modes = ["infer", "train"] if args.mode == "both" else [args.mode]
     peak = matmul_peak_gflops()
-    print(f"device: {device_description()}; measured float32 matmul peak {peak:.1f} GFLOP/s", flush=True)
+    load_before = os.getloadavg()[0]
+    print(f"device: {device_description()}; measured float32 matmul peak {peak:.1f} GFLOP/s; "
+          f"load average {load_before:.2f}", flush=True)
 
     rows = []
     for mode in modes:
         for model in models:
             for size in sizes:
                 for batch in batches:
-                    extra = {"aug": args.aug} if mode == "infer" else {}
-                    row = run(mode, model, size, batch, peak, **extra, **kw)
+                    extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
+                        if mode == "infer" else dict(kw)
+                    row = run(mode, model, size, batch, peak, with_torch=args.torch, **extra)
                     rows.append(row)
                     print(f"{mode:5s} {MODELS[model]:11s} n={size:3d} batch={batch:4d}: "
                           f"{row['instances_per_second']:8.2f} inst/s  ({row['seconds']:.3f} s, compile "
                           f"{row['compile_seconds']:.1f} s)" + (f", {row['fraction_of_matmul_peak']:.0%} of peak"
-                                                               if "fraction_of_matmul_peak" in row else ""),
+                                                               if "fraction_of_matmul_peak" in row else "")
+                          + (f"; RL4CO {row['torch']['instances_per_second']:.2f} inst/s, "
+                             f"{row['speedup_vs_torch']:.1f}x" if "speedup_vs_torch" in row else ""),
                           flush=True)
-    print("\n| mode | model | n | batch | instances/s | seconds | compile s | GFLOP/s | % of peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {MODELS[r['model']]} | {r['size']} | {r['batch']} | {r['instances_per_second']:.2f} | "
-              f"{r['seconds']:.3f} | {r['compile_seconds']:.1f} | {r.get('achieved_gflops', float('nan')):.1f} | "
-              f"{100 * r.get('fraction_of_matmul_peak', float('nan')):.0f} |")
+    print_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    result = rows[0] if len(rows) == 1 else {"device": device_description(), "matmul_peak_gflops": peak,
-                                             "rows": rows}
-    if len(rows) == 1:
-        result["matmul_peak_gflops"] = peak
+    meta = {"device": device_description(), "jax": jax.__version__, "matmul_peak_gflops": peak,
+            "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    result = dict(rows[0], **meta) if len(rows) == 1 else dict(meta, rows=rows)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.output}")
+
+
+def print_table(rows: list[dict]) -> None:
+    torch = any("torch" in r for r in rows)
+    head = "| mode | model | n | batch | weights | decode steps | instances/s | seconds | compile s | GFLOP/s | " \
+           "% of peak | x FLOP limit |"
+    if torch:
+        head += " RL4CO s | RL4CO steps | speed-up |"
+    print("\n" + head)
+    print("|" + "---|" * (head.count("|") - 1))
+    nan = float("nan")
+    for r in rows:
+        line = (f"| {r['mode']} | {MODELS[r['model']]} | {r['size']} | {r['batch']} | "
+                f"{'random' if str(r.get('weights', 'random')).startswith('random') else 'trained'} | "
+                f"{r.get('decode_steps', '')} | {r['instances_per_second']:.2f} | {r['seconds']:.3f} | "
+                f"{r['compile_seconds']:.1f} | {r.get('achieved_gflops', nan):.1f} | "
+                f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} |")
+        if torch:
+            t = r.get("torch", {})
+            line += (f" {t.get('seconds', t.get('seconds_per_step', nan)):.2f} | {t.get('decode_steps', '')} | "
+                     f"{r.get('speedup_vs_torch', nan):.1f}x |")
+        print(line)
 
 
 if __name__ == "__main__":

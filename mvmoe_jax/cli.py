@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import os
@@ -28,6 +29,19 @@ def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
     return PolicyConfig.from_dict(d)
 
 
+def with_execution_flags(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
+    """The policy with the execution choices given on the command line (matmul dtype, MoE execution,
+    readout fusion); these change speed, not the model (bfloat16 changes rounding)."""
+    changes = {}
+    if getattr(flags, "compute_dtype", None):
+        changes["compute_dtype"] = flags.compute_dtype
+    if getattr(flags, "moe_dispatch", None):
+        changes["moe_dispatch"] = flags.moe_dispatch
+    if getattr(flags, "fused_readout", None) is not None:
+        changes["fused_readout"] = bool(flags.fused_readout)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -44,6 +58,7 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
     Returns the JSON-ready results."""
     wanted = None if config is None else policy_config(config.model)
     cfg, params = checkpoints.load_policy(flags.checkpoint, wanted)
+    cfg = with_execution_flags(cfg, flags)
     if flags.aug not in (1, 8):
         raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
     batch_size = flags.batch_size or (config.eval_batch_size if config is not None else DEFAULT_EVAL_BATCH)
@@ -67,7 +82,7 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
         inst = io.load_paper_instances(path, var, num_instances=flags.num_instances)
         res = evaluation.evaluate_dataset(
             cfg, params, inst, pomo_size=flags.pomo_size, augment=flags.aug == 8, batch_size=batch_size,
-            seed=flags.seed, progress=flags.progress, desc=var.name)
+            seed=flags.seed, progress=flags.progress, desc=var.name, chunk_size=getattr(flags, "chunk_size", None))
         gap, ref_path = _gap(flags, var, res.obj)
         results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
                              "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
@@ -129,7 +144,8 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
         inst, meta = _read_benchmark_file(path)
         res = evaluation.evaluate_dataset(cfg, params, inst, pomo_size=flags.pomo_size,
                                           augment=flags.aug == 8, batch_size=1, seed=flags.seed,
-                                          progress=False, desc=meta.name)
+                                          progress=False, desc=meta.name,
+                                          chunk_size=getattr(flags, "chunk_size", None))
         rounded = path.endswith(".vrp")
         obj = _original_cost(res.routes[0], np.asarray(inst.locs[0]), meta, rounded)
         best = bks.get(meta.name)

@@ -77,7 +77,8 @@ def step(state: State, action: jax.Array) -> State:
     """Move the vehicle to node ``action`` (no feasibility check: see ``action_mask``)."""
     inst = state.instance
     a = jnp.asarray(action, jnp.int32)
-    d = _dist_from(inst.locs, state.current)[a]
+    # One distance, computed exactly as _dist_from does (not all n+1 of them).
+    d = jnp.sqrt(jnp.sum((inst.locs[a] - inst.locs[state.current]) ** 2, axis=-1))
     at_depot = a == 0
 
     load = jnp.where(at_depot, 1.0, state.load - inst.demand[a])

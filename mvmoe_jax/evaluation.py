@@ -50,8 +50,10 @@ def pad_batch(inst: Instance, size: int) -> Instance:
 
 def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: int | None = None,
                      augment: bool = True, batch_size: int = 64, seed: int = 0,
-                     progress: bool = True, desc: str = "eval", check_routes: bool = True) -> DatasetResult:
-    """Greedy evaluation of a batched Instance (K instances) in jitted batches of ``batch_size``."""
+                     progress: bool = True, desc: str = "eval", check_routes: bool = True,
+                     chunk_size: int | None = None) -> DatasetResult:
+    """Greedy evaluation of a batched Instance (K instances) in jitted batches of ``batch_size``
+    (each decoded ``chunk_size`` augmented instances at a time, see ``rollout.greedy_evaluate``)."""
     checker.validate_instances(inst, desc)
     k = inst.locs.shape[0]
     n = inst.locs.shape[1] - 1
@@ -61,7 +63,8 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
 
     t0 = time.perf_counter()
     first = pad_batch(take(inst, np.arange(min(bs, k))), bs)
-    compiled = greedy_evaluate.lower(cfg, params, first, rng, pomo_size=pomo, augment=augment).compile()
+    compiled = greedy_evaluate.lower(cfg, params, first, rng, pomo_size=pomo, augment=augment,
+                                     chunk_size=chunk_size).compile()
     compile_s = time.perf_counter() - t0
 
     obj, obj_no_aug, actions = [], [], []

@@ -16,7 +16,7 @@ from flax import struct
 
 from mvmoe_jax import env
 from mvmoe_jax.instances import BACKHAUL_RATIO, Instance, augment_8
-from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.nn.policy import DecoderCache, Policy, PolicyConfig
 
 
 @struct.dataclass
@@ -84,14 +84,33 @@ def decoding_keys(rng: jax.Array, num_steps: int) -> tuple[jax.Array, jax.Array]
     return k_enc, keys
 
 
+def encode(policy: Policy, params, inst: Instance, rng: jax.Array, train: bool = False
+           ) -> tuple[DecoderCache, jax.Array]:
+    """(decoder cache, encoder MoE auxiliary loss) of a batch, with the encoder key ``rollout`` uses."""
+    k_enc = jax.random.split(rng)[0]           # = decoding_keys(rng, .)[0]
+    emb, aux = policy.apply(params, inst, train, method=Policy.encode, rngs={"gating": k_enc})
+    return policy.apply(params, emb, method=Policy.precompute), aux
+
+
+def initial_states(inst: Instance, pomo_size: int) -> tuple[env.State, jax.Array, jax.Array]:
+    """(states (B, P) after the move to each start node, starts int32 (B, P), valid bool (B, P))."""
+    starts, valid = start_nodes(inst, pomo_size)
+    states = env.batch_step(env.batch_reset(inst, starts.shape[1]), starts)
+    return states, starts, valid
+
+
 def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_type: str = "greedy",
             rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None,
-            record: bool = False) -> RolloutOutput:
+            record: bool = False, encoded: tuple[DecoderCache, jax.Array] | None = None,
+            gate_probs: jax.Array | None = None) -> RolloutOutput:
     """Decode every start of every instance (batched Instance, B) until all finish.
 
     decode_type: 'greedy' (argmax) or 'sampling'. ``rng`` drives sampling, MoE gating noise in training
     and MVMoE-L's dense-or-sparse draws (which the reference samples in evaluation too); see
     ``decoding_keys``. ``record`` keeps the decoder's inputs for a replay (see RolloutOutput).
+    ``encoded``: ``encode(policy, params, inst, rng, train)`` computed beforehand; ``gate_probs``: MVMoE-L's
+    dense-or-MoE probabilities (2,) when they come from a larger batch than ``inst`` (see
+    ``greedy_evaluate``), else computed at the first step from this batch.
     jit-compatible (policy, pomo_size, decode_type, train, max_steps, record static).
     """
     if decode_type not in ("greedy", "sampling"):
@@ -99,13 +118,11 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     rng = jax.random.key(0) if rng is None else rng
     n = inst.locs.shape[-2] - 1
     steps = 2 * n if max_steps is None else max_steps      # a depot visit per customer at most
-    k_enc, keys = decoding_keys(rng, steps)
+    _, keys = decoding_keys(rng, steps)
 
-    emb, aux = policy.apply(params, inst, train, method=Policy.encode, rngs={"gating": k_enc})
-    cache = policy.apply(params, emb, method=Policy.precompute)
-    starts, valid = start_nodes(inst, pomo_size)
+    cache, aux = encode(policy, params, inst, rng, train) if encoded is None else encoded
+    states, starts, valid = initial_states(inst, pomo_size)
     b, p = starts.shape
-    states = env.batch_step(env.batch_reset(inst, p), starts)
 
     def decode_step(states, gate_probs, key):
         k_gate, k_pick = jax.random.split(key)
@@ -138,7 +155,7 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
                     jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
     # The first decoding step is peeled off the loop: MVMoE-L computes its gate probabilities there.
-    states, a0, ll, aux_t, gate_probs, record_0 = decode_step(states, None, keys[0])
+    states, a0, ll, aux_t, gate_probs, record_0 = decode_step(states, gate_probs, keys[0])
     if gate_probs is None:
         gate_probs = jnp.zeros((2,), jnp.float32)
     buffers = write(buffers, 0, a0, record_0)
@@ -160,30 +177,104 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
                          finished=states.finished, aux_loss=aux, num_steps=t, **recorded)
 
 
+# On CPU a decoding step whose working set (attention weights, masks, readout scores: trajectories x
+# nodes x heads floats) stays in cache runs about twice as fast per trajectory as one over a whole
+# augmented batch. Measured at n = 50 (MVMoE/4E, 2-core x86): 12-16 instances x 50 starts per chunk was
+# fastest, 4 or 64 clearly slower; the budget is kept in trajectory-nodes so that it scales with n.
+CPU_CHUNK_TRAJECTORY_NODES = 40_000
+
+
+def default_chunk_size(pomo_size: int, num_nodes: int) -> int | None:
+    """Instances per sequentially decoded chunk in ``greedy_evaluate``: about
+    ``CPU_CHUNK_TRAJECTORY_NODES / (starts x nodes)`` on CPU; None (the whole batch at once) on
+    accelerators, whose throughput grows with the batch."""
+    if jax.default_backend() != "cpu":
+        return None
+    return max(1, CPU_CHUNK_TRAJECTORY_NODES // (max(pomo_size, 1) * num_nodes))
+
+
 @struct.dataclass
 class GreedyResult:
     """Per instance (B,): best cost over starts without augmentation and over starts x 8 augmentations,
     and the best route's actions (B, T) (from the augmented run when augmenting); num_steps: decoding
-    steps the batch needed."""
+    steps the batch needed (the longest chunk); chunk_steps int32 (C,): the steps each chunk ran."""
 
     obj_no_aug: jax.Array
     obj: jax.Array
     best_actions: jax.Array
     all_finished: jax.Array
     num_steps: jax.Array
+    chunk_steps: jax.Array
 
 
-@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment"))
+def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Array, pomo_size: int,
+                            chunk: int) -> tuple[RolloutOutput, jax.Array]:
+    """Greedy rollouts of M instances, ``chunk`` at a time (``lax.map``); same results as one rollout.
+
+    Every chunk uses the same ``rng``, so step t draws the same keys in every chunk as in a single batch.
+    MVMoE-L's dense-or-MoE probabilities come from the first step's attention pooled over all M instances
+    (as the reference computes them over its batch): a first pass encodes every chunk and pools, the
+    second decodes from the stored encodings. Returns the (M, ...) output and the steps of each chunk.
+    """
+    m = inst.locs.shape[0]
+    num_chunks = -(-m // chunk)
+    idx = jnp.concatenate([jnp.arange(m), jnp.zeros(num_chunks * chunk - m, jnp.int32)])
+    chunks = jax.tree.map(lambda x: x[idx].reshape((num_chunks, chunk) + x.shape[1:]), inst)
+    decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng)
+
+    if policy.cfg.hierarchical:
+        real = (jnp.arange(num_chunks * chunk) < m).reshape(num_chunks, chunk)
+
+        def encode_and_pool(args):
+            c_inst, c_real = args
+            encoded = encode(policy, params, c_inst, rng)
+            states, _, _ = initial_states(c_inst, pomo_size)
+            attn = policy.apply(params, encoded[0], states.current, dynamic_features(states),
+                                env.batch_action_mask(states), method=Policy.decoder_attention)
+            return encoded, jnp.sum(jnp.where(c_real[:, None, None], attn, 0.0), axis=(0, 1))
+
+        encoded, sums = jax.lax.map(encode_and_pool, (chunks, real))
+        num_starts_ = start_nodes(jax.tree.map(lambda x: x[0], chunks), pomo_size)[0].shape[1]
+        pooled = sums.sum(0) / (m * num_starts_)
+        probs = policy.apply(params, pooled, method=Policy.hierarchical_gate_probs)
+        outs = jax.lax.map(lambda a: decode(a[0], encoded=a[1], gate_probs=probs), (chunks, encoded))
+    else:
+        outs = jax.lax.map(decode, chunks)
+
+    def unchunk(x):
+        return x.reshape((num_chunks * chunk,) + x.shape[2:])[:m]
+
+    merged = outs.replace(actions=unchunk(outs.actions), log_likelihood=unchunk(outs.log_likelihood),
+                          cost=unchunk(outs.cost), valid=unchunk(outs.valid), finished=unchunk(outs.finished),
+                          aux_loss=outs.aux_loss.sum(), num_steps=outs.num_steps.max())
+    return merged, outs.num_steps
+
+
+@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size"))
 def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                    augment: bool = True) -> GreedyResult:
-    """Greedy POMO evaluation of a batch, optionally with x8 augmentation (one forward pass over 8B)."""
+                    augment: bool = True, chunk_size: int | None = None) -> GreedyResult:
+    """Greedy POMO evaluation of a batch, optionally with x8 augmentation (one pass over 8B instances).
+
+    chunk_size: instances decoded at once (the 8B augmented instances are processed in sequential chunks
+    of this many; results do not depend on it). None: ``default_chunk_size(starts, nodes)``.
+    """
     b = inst.locs.shape[0]
     if augment:
         aug = augment_8(inst)                                   # (8, B, ...)
         flat = jax.tree.map(lambda x: x.reshape((8 * b,) + x.shape[2:]), aug)
     else:
         flat = inst
-    out = rollout(Policy(cfg), params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng)
+    m = flat.locs.shape[0]
+    n1 = flat.locs.shape[-2]
+    chunk = default_chunk_size(min(pomo_size, n1 - 1), n1) if chunk_size is None else chunk_size
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk_size must be a positive number of instances, got {chunk}")
+    policy = Policy(cfg)
+    if chunk is None or chunk >= m:
+        out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng)
+        chunk_steps = out.num_steps[None]
+    else:
+        out, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk)
     cost = out.cost.reshape(-1, b, out.cost.shape[-1])        # (A, B, P)
     no_aug = cost[0].min(-1)
     per_aug = cost.transpose(1, 0, 2).reshape(b, -1)          # (B, A*P)
@@ -193,4 +284,4 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     best_actions = jnp.take_along_axis(acts, best[:, None, None], axis=1)[:, 0]
     done = (out.finished | ~out.valid).reshape(-1, b, out.cost.shape[-1]).all(axis=(0, 2))
     return GreedyResult(obj_no_aug=no_aug, obj=per_aug.min(-1), best_actions=best_actions, all_finished=done,
-                        num_steps=out.num_steps)
+                        num_steps=out.num_steps, chunk_steps=chunk_steps)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_ROOT
 
 
@@ -20,6 +22,17 @@ def test_throughput_contract(tmp_path):
     res = json.loads(out.read_text())
     assert res["instances_per_second"] > 0 and res["compile_seconds"] > 0 and res["device"]
     assert res["flops_per_instance"] > 0 and 0 < res["fraction_of_matmul_peak"]
+    assert res["seconds_over_flop_limit"] > 1.0      # nothing runs faster than its FLOPs at the peak
+    assert res["decode_steps"] >= 20 and res["weights"]
+
+
+def test_torch_peer_runs_rl4co_on_our_instances(tmp_path):
+    pytest.importorskip("rl4co", reason="RL4CO is the optional [torch] extra")
+    out = tmp_path / "p.json"
+    _run(["benchmarks/torch_peer.py", "--model=mvmoe", "--size=20", "--batch=2", "--repeats=1",
+          f"--output={out}"])
+    res = json.loads(out.read_text())
+    assert res["instances_per_second"] > 0 and res["feasible"] and 20 <= res["decode_steps"] <= 41
 
 
 def test_env_and_train_benchmarks(tmp_path):

@@ -336,12 +336,12 @@ SHAPES = [(3, 4, 8), (2, 5, 8)]  # 2-D inputs: test_two_dimensional_inputs
 
 @pytest.mark.parametrize("routing", ["input_choice", "random", "expert_choice"])
 @pytest.mark.parametrize("level", ["node", "instance", "problem"])
-def test_sparse_and_einsum_equal_dense_when_nothing_dropped(routing, level):
+def test_sparse_einsum_and_grouped_equal_dense_when_nothing_dropped(routing, level):
     # Two shapes for input choice, one for the others: compilations dominate this file's run time.
     for i, shape in enumerate(SHAPES if routing == "input_choice" else SHAPES[:1]):
         x = rand_x(shape, seed=10 + i)
         outs = {}
-        for dispatch in ("dense", "sparse", "einsum"):
+        for dispatch in ("dense", "sparse", "einsum", "grouped"):
             moe = M.MoE(output_dim=5, hidden_dim=12, routing=routing, level=level, dispatch=dispatch)
             params = init_moe(moe, x, seed=i, gate_scale=1.0)
             # Training only changes input choice (noise); the same key gives the same noise / choices.
@@ -353,6 +353,57 @@ def test_sparse_and_einsum_equal_dense_when_nothing_dropped(routing, level):
             np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6, err_msg=f"{dispatch} {shape} {train}")
             assert aux == pytest.approx(aux_ref, rel=1e-6)
             assert stats["dropped_assignments"] == (0,)
+
+
+@pytest.mark.parametrize("expert_type", ["mlp", "linear"])
+def test_grouped_execution_across_blocks_values_and_gradients(expert_type):
+    """Hundreds of units over several blocks per expert, some assignments inactive: the grouped execution
+    gives the dense result and the same gradients."""
+    rng = np.random.default_rng(5)
+    params = {"w1": rng.standard_normal((4, 8, 16)).astype(np.float32) / 3,
+              "b1": rng.standard_normal((4, 16)).astype(np.float32),
+              "w2": rng.standard_normal((4, 16, 6)).astype(np.float32) / 4,
+              "b2": rng.standard_normal((4, 6)).astype(np.float32)}
+    if expert_type == "linear":
+        params = {"w": params["w1"][..., :6], "b": params["b2"]}
+    units = jnp.asarray(rng.standard_normal((300, 1, 8)), jnp.float32)
+    index = jnp.asarray(np.stack([rng.permutation(4)[:2] for _ in range(300)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (300, 2)), jnp.float32)
+    active = jnp.asarray(rng.uniform(size=(300, 2)) > 0.2)
+
+    def dense(p, x):
+        out = M.experts_forward(p, x[:, 0], per_expert=False)                      # (E, U, o)
+        gates = jnp.einsum("uk,uke->ue", jnp.where(active, weights, 0.0), jax.nn.one_hot(index, 4))
+        return jnp.einsum("ue,euo->uo", gates, out)[:, None]
+
+    def grouped(p, x):
+        return M.grouped_experts_forward(p, x, index, weights, active, block=32)
+
+    np.testing.assert_allclose(grouped(params, units), dense(params, units), rtol=1e-5, atol=1e-5)
+    g_dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1))(params, units)
+    g_grouped = jax.grad(lambda p, x: jnp.sum(jnp.sin(grouped(p, x))), argnums=(0, 1))(params, units)
+    for a, b in zip(jax.tree.leaves(g_grouped), jax.tree.leaves(g_dense)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gates_only_returns_the_gate_matrix_the_layer_mixes_with():
+    x = rand_x((3, 4, 8), seed=21)
+    moe = M.MoE(output_dim=5, expert_type="linear")
+    params = init_moe(moe, x, gate_scale=1.0)
+    gates, aux = moe.apply({"params": params}, x, train=False, gates_only=True)
+    assert gates.shape == (3, 4, 4)
+    np.testing.assert_allclose(np.asarray(gates).sum(-1), 1.0, rtol=1e-6)
+    assert ((np.asarray(gates) > 0).sum(-1) == 2).all()
+    g = np.asarray(gates, np.float64)
+    per_expert = (np.einsum("btd,edo->beto", np.asarray(x, np.float64), params["experts_w"])
+                  + params["experts_b"][None, :, None])
+    y_manual = np.einsum("bte,beto->bto", g, per_expert)
+    y, aux_y = apply_moe(moe, params, x)
+    np.testing.assert_allclose(y_manual, y, rtol=1e-5, atol=1e-5)
+    assert float(aux) == pytest.approx(aux_y)
+    with pytest.raises(ValueError, match="gates_only"):
+        M.MoE(output_dim=5, hidden_dim=6).apply({"params": init_moe(M.MoE(output_dim=5, hidden_dim=6), x)}, x,
+                                               train=False, gates_only=True)
 
 
 # --------------------------------------------------------------------------------------------------

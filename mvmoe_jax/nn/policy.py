@@ -45,10 +45,14 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "dense"               # dense (every expert, gate-weighted) | sparse (capacity
-                                              # buffers, scatter/gather) | einsum (dispatch/combine tensors)
+    moe_dispatch: str = "auto"                # auto (grouped on CPU, dense elsewhere) | dense (every expert,
+                                              # gate-weighted) | grouped (only the chosen experts, sorted
+                                              # into blocks) | sparse (capacity buffers, scatter/gather) |
+                                              # einsum (dispatch/combine tensors); see nn/moe.py
     capacity_factor: float | None = None      # None: no token is ever dropped
     compute_dtype: str = "float32"            # float32 | bfloat16 (matmul inputs; params stay float32)
+    fused_readout: bool = True                # fold the node embeddings into the decoder's combining
+                                              # projection(s) once per rollout (see Policy.precompute)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -59,8 +63,22 @@ class PolicyConfig:
             f"Enc{i}" for i in range(self.num_layers)) + ("Dec",)]
         if bad:
             raise ValueError(f"unknown MoE positions {bad}; expected Raw, Enc0..Enc{self.num_layers - 1}, Dec")
+        if self.moe_dispatch not in ("auto",) + moe_lib.DISPATCHES:
+            raise ValueError(f"moe_dispatch must be auto or one of {moe_lib.DISPATCHES}, got {self.moe_dispatch!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+
+    @property
+    def uses_fused_readout(self) -> bool:
+        """The readout fusion applies to a dense combining projection, or a MoE of linear experts whose
+        gates are per token (node-level input choice or random routing)."""
+        if not self.fused_readout:
+            return False
+        # Token dropping (a capacity factor with sparse or einsum execution) is not reproduced by it.
+        return not self.moe_at("Dec") or (self.routing_level == "node"
+                                          and self.routing_method in ("input_choice", "random")
+                                          and (self.capacity_factor is None
+                                               or self.dispatch in ("dense", "grouped")))
 
     @property
     def uses_moe(self) -> bool:
@@ -72,6 +90,15 @@ class PolicyConfig:
 
     def moe_at(self, position: str) -> bool:
         return self.uses_moe and position in self.expert_loc
+
+    @property
+    def dispatch(self) -> str:
+        """The MoE execution strategy to run: ``moe_dispatch``, with ``auto`` resolved for the default
+        backend (measured on CPU: grouped is ~30% faster than dense for the encoder's MLP experts at a
+        decoding chunk's size; on accelerators dense keeps to a few large matmuls)."""
+        if self.moe_dispatch != "auto":
+            return self.moe_dispatch
+        return "grouped" if jax.default_backend() == "cpu" else "dense"
 
     @property
     def dtype(self):
@@ -99,11 +126,17 @@ class DecoderCache:
 
     embeddings: (B, N, D) node embeddings (also the single-head keys).
     keys, values: (B, H, N, D/H) multi-head keys and values.
+    readout: (B, D, M, N) the node embeddings pulled through each of the M linear maps of the decoder's
+      combining projection (M = 1 dense, E experts, or 1 + E for MVMoE-L's dense-or-MoE), so that a
+      step's scores are ``sum_m mix_m (attn @ readout[m] + readout_bias[m])``; readout_bias (B, M, N).
+      None without the fusion (``PolicyConfig.fused_readout`` off or not applicable, or initialising).
     """
 
     embeddings: jax.Array
     keys: jax.Array
     values: jax.Array
+    readout: jax.Array | None = None
+    readout_bias: jax.Array | None = None
 
 
 def node_features(inst: Instance) -> tuple[jax.Array, jax.Array]:
@@ -127,7 +160,7 @@ class FeedForward(nn.Module):
 def _moe(cfg: PolicyConfig, output_dim: int, expert_type: str, name: str, hidden_dim: int | None = None):
     return moe_lib.MoE(num_experts=cfg.num_experts, k=cfg.topk, output_dim=output_dim,
                        hidden_dim=hidden_dim, expert_type=expert_type, routing=cfg.routing_method,
-                       level=cfg.routing_level, dispatch=cfg.moe_dispatch,
+                       level=cfg.routing_level, dispatch=cfg.dispatch,
                        capacity_factor=cfg.capacity_factor, dtype=cfg.dtype, name=name)
 
 
@@ -173,7 +206,7 @@ class Policy(nn.Module):
             self.multi_head_combine = moe_lib.DenseOrMoE(
                 output_dim=cfg.embedding_dim, num_experts=cfg.num_experts, k=cfg.topk,
                 routing=cfg.routing_method, level=cfg.routing_level, capacity_factor=cfg.capacity_factor,
-                dispatch=cfg.moe_dispatch, dtype=cfg.dtype)
+                dispatch=cfg.dispatch, dtype=cfg.dtype)
         elif cfg.moe_at("Dec"):
             self.multi_head_combine = _moe(cfg, cfg.embedding_dim, "linear", "multi_head_combine")
         else:
@@ -206,9 +239,37 @@ class Policy(nn.Module):
         return x, aux
 
     def precompute(self, embeddings: jax.Array) -> DecoderCache:
-        h = self.cfg.num_heads
-        return DecoderCache(embeddings=embeddings, keys=split_heads(self.Wk(embeddings), h),
-                            values=split_heads(self.Wv(embeddings), h))
+        """Per-rollout decoder inputs: multi-head keys and values, and (the readout fusion) the single-head
+        scores' keys pushed through the combining projection's linear maps.
+
+        Why the fusion: a step's scores are ``(sum_m mix_m (attn @ W_m + b_m)) . emb_n``; computing
+        ``W_m @ emb_n`` once per rollout turns the per-step (D x D per map, then D x N) work into D x N per
+        map, about 2.5x fewer FLOPs for MVMoE's 4 experts and 3.5x for a dense projection, and one
+        instance-batched matmul instead of three contractions. Results agree to float32 rounding.
+        """
+        cfg = self.cfg
+        h = cfg.num_heads
+        cache = DecoderCache(embeddings=embeddings, keys=split_heads(self.Wk(embeddings), h),
+                             values=split_heads(self.Wv(embeddings), h))
+        if not cfg.uses_fused_readout or self.is_initializing():
+            return cache        # initialisation goes through the plain path, which creates the params
+        maps, biases = self._combine_maps()                                               # (M, D, D), (M, D)
+        emb = embeddings.astype(cfg.dtype)
+        readout = jnp.einsum("mdo,bno->bdmn", maps.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
+        bias = jnp.einsum("mo,bno->bmn", biases.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
+        return cache.replace(readout=readout, readout_bias=bias)
+
+    def _combine_maps(self) -> tuple[jax.Array, jax.Array]:
+        """The combining projection's linear maps stacked (M, D, D) and biases (M, D): dense [0],
+        experts [0..E-1], or MVMoE-L's dense [0] then experts [1..E]."""
+        params = self.multi_head_combine.variables["params"]
+        if self.cfg.hierarchical:
+            dense, moe = params["multi_head_combine_dense"], params["multi_head_combine_moe"]
+            return (jnp.concatenate([dense["kernel"][None], moe["experts_w"]]),
+                    jnp.concatenate([dense["bias"][None], moe["experts_b"]]))
+        if self.cfg.moe_at("Dec"):
+            return params["experts_w"], params["experts_b"]
+        return params["kernel"][None], params["bias"][None]
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
                gate_probs: jax.Array | None = None, train: bool = False):
@@ -220,11 +281,19 @@ class Policy(nn.Module):
         Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs.
         """
         cfg = self.cfg
+        attn = self.decoder_attention(cache, current, dynamic, mask)                       # (B, P, D)
+        if cache.readout is not None:
+            score, aux, gate_probs = self._fused_scores(cache, attn, train, gate_probs)
+        else:
+            score, aux, gate_probs = self._scores(cache, attn, train, gate_probs)
+        score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
+        score = jnp.where(mask, score, -jnp.inf)
+        return jax.nn.log_softmax(score, axis=-1), aux, gate_probs
+
+    def _scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
+        """Unclipped single-head scores (B, P, N): the combining projection, then dot products."""
+        cfg = self.cfg
         emb = cache.embeddings
-        last = jnp.take_along_axis(emb, current[..., None].astype(jnp.int32), axis=1)     # (B, P, D)
-        query = jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1)
-        q = split_heads(self.Wq_last(query), cfg.num_heads)
-        attn = multi_head_attention(q, cache.keys, cache.values, mask)                    # (B, P, D)
         aux = jnp.float32(0.0)
         if cfg.hierarchical:
             out, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs)
@@ -234,6 +303,48 @@ class Policy(nn.Module):
             out = self.multi_head_combine(attn)
         score = jnp.einsum("bpd,bnd->bpn", out.astype(cfg.dtype), emb.astype(cfg.dtype),
                            preferred_element_type=jnp.float32)
-        score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
-        score = jnp.where(mask, score, -jnp.inf)
-        return jax.nn.log_softmax(score, axis=-1), aux, gate_probs
+        return score, aux, gate_probs
+
+    def _fused_scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
+        """The same scores as ``_scores`` from the precomputed readout (see ``precompute``)."""
+        cfg = self.cfg
+        x = attn.astype(cfg.dtype)
+
+        def mixed(weights, lo, hi):
+            """sum over maps lo <= m < hi of weights[..., m - lo] (x @ readout[m] + bias[m]); one map: plain."""
+            readout, bias = cache.readout[:, :, lo:hi], cache.readout_bias[:, lo:hi]
+            b, d, m, n = readout.shape
+            per_map = jnp.einsum("bpd,bdx->bpx", x, readout.reshape(b, d, m * n).astype(cfg.dtype),
+                                 preferred_element_type=jnp.float32).reshape(x.shape[:2] + (m, n))
+            if weights is None:
+                return per_map[:, :, 0] + bias[:, None, 0]
+            return jnp.einsum("bpm,bpmn->bpn", weights.astype(jnp.float32), per_map + bias[:, None])
+
+        num_maps = cache.readout.shape[2]
+        if cfg.hierarchical:
+            choice, scale, gates, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs,
+                                                                            gates_only=True)
+            # Only the drawn branch's maps are applied (the point of MVMoE-L): dense = map 0.
+            score = jax.lax.cond(choice == 1, lambda: mixed(gates, 1, num_maps), lambda: mixed(None, 0, 1))
+            return score * scale, aux, gate_probs
+        if cfg.moe_at("Dec"):
+            gates, aux = self.multi_head_combine(attn, train=train, gates_only=True)
+            return mixed(gates, 0, num_maps), aux, gate_probs
+        return mixed(None, 0, 1), jnp.float32(0.0), gate_probs
+
+    def decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
+                          mask: jax.Array) -> jax.Array:
+        """The decoder's multi-head attention output (B, P, D), before the combining projection."""
+        emb = cache.embeddings
+        last = jnp.take_along_axis(emb, current[..., None].astype(jnp.int32), axis=1)     # (B, P, D)
+        query = jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1)
+        # Heads-major (B, H, P, d) products: measured faster on CPU than keeping heads inside each query.
+        q = split_heads(self.Wq_last(query), self.cfg.num_heads)
+        return multi_head_attention(q, cache.keys, cache.values, mask)
+
+    def hierarchical_gate_probs(self, pooled: jax.Array) -> jax.Array:
+        """MVMoE-L's dense-or-MoE probabilities (2,) from the first step's attention output pooled over
+        the whole batch (D,); lets a batch decoded in chunks use the probabilities of the full batch."""
+        if not self.cfg.hierarchical:
+            raise ValueError(f"{self.cfg.model} has no hierarchical gate")
+        return self.multi_head_combine.dense_or_moe(pooled=pooled)

@@ -1,0 +1,101 @@
+"""The execution shortcuts give the results of the plain computation: the decoder's readout fusion,
+chunked greedy evaluation (MVMoE-L's batch-pooled gate included) and the grouped MoE execution."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mvmoe_jax import env, instances, rollout, training
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
+
+N = 20
+SMALL = dict(embedding_dim=32, num_heads=4, num_layers=2, ff_hidden_dim=48)
+MODELS = ["pomo_mtl", "mvmoe", "mvmoe_light"]
+
+
+def small_config(model: str, **kw) -> PolicyConfig:
+    loc = ("Enc0", "Enc1", "Dec")
+    return PolicyConfig(model=model, expert_loc=loc, **SMALL, **kw)
+
+
+def perturbed_params(cfg: PolicyConfig, seed: int = 0):
+    """Initial parameters with the (zero-initialised) gates made random, so that routing varies."""
+    params = training.init_params(cfg, jax.random.key(seed), N)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    rng = np.random.default_rng(seed)
+    out = [jnp.asarray(rng.standard_normal(x.shape), x.dtype) if "w_gate" in jax.tree_util.keystr(path) else x
+           for path, x in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def mixed_batch(size: int, seed: int = 1):
+    variants = ["CVRP", "VRPBLTW", "OVRPTW", "VRPL"]
+    parts = [instances.generate(jax.random.key(seed + i), size // len(variants), N, v)
+             for i, v in enumerate(variants)]
+    return jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_fused_readout_gives_the_plain_log_probabilities(model):
+    cfg = small_config(model)
+    assert cfg.uses_fused_readout
+    plain_cfg = dataclasses.replace(cfg, fused_readout=False)
+    params = perturbed_params(cfg)
+    inst = mixed_batch(8)
+    fused, plain = Policy(cfg), Policy(plain_cfg)
+    states, _, _ = rollout.initial_states(inst, N)
+    mask = env.batch_action_mask(states)
+    dyn = rollout.dynamic_features(states)
+    outs = []
+    for policy in (fused, plain):
+        cache, _ = rollout.encode(policy, params, inst, jax.random.key(0))
+        assert (cache.readout is not None) == (policy is fused)
+        outs.append(policy.apply(params, cache, states.current, dyn, mask, None, False, method=Policy.decode,
+                                 rngs={"gating": jax.random.key(3)}))
+    (lp_f, aux_f, probs_f), (lp_p, aux_p, probs_p) = outs
+    finite = np.isfinite(np.asarray(lp_p))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lp_f)), finite)
+    np.testing.assert_allclose(np.asarray(lp_f)[finite], np.asarray(lp_p)[finite], rtol=1e-5, atol=1e-5)
+    assert float(aux_f) == pytest.approx(float(aux_p), rel=1e-5, abs=1e-8)
+    if cfg.hierarchical:
+        np.testing.assert_allclose(probs_f, probs_p, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chunked_greedy_evaluation_equals_one_batch(model):
+    cfg = small_config(model)
+    params = perturbed_params(cfg, seed=2)
+    inst = mixed_batch(8, seed=5)
+    whole = rollout.greedy_evaluate(cfg, params, inst, jax.random.key(4), pomo_size=N, chunk_size=10_000)
+    # 64 augmented instances in chunks of 5: 13 chunks, the last one padded.
+    chunked = rollout.greedy_evaluate(cfg, params, inst, jax.random.key(4), pomo_size=N, chunk_size=5)
+    assert chunked.chunk_steps.shape == (13,) and whole.chunk_steps.shape == (1,)
+    assert int(chunked.num_steps) == int(whole.num_steps) == int(np.max(chunked.chunk_steps))
+    np.testing.assert_allclose(chunked.obj, whole.obj, rtol=1e-6)
+    np.testing.assert_allclose(chunked.obj_no_aug, whole.obj_no_aug, rtol=1e-6)
+    np.testing.assert_array_equal(chunked.best_actions, whole.best_actions)
+    assert bool(np.all(chunked.all_finished))
+
+
+def test_chunk_size_must_be_positive():
+    cfg = small_config("pomo_mtl")
+    params = training.init_params(cfg, jax.random.key(0), N)
+    with pytest.raises(ValueError, match="chunk_size"):
+        rollout.greedy_evaluate(cfg, params, mixed_batch(4), jax.random.key(0), pomo_size=N, chunk_size=0)
+
+
+def test_grouped_and_dense_dispatch_agree_in_the_policy():
+    cfg = small_config("mvmoe", moe_dispatch="grouped")
+    dense = dataclasses.replace(cfg, moe_dispatch="dense")
+    params = perturbed_params(cfg, seed=6)
+    inst = mixed_batch(8, seed=9)
+    a = rollout.greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=N)
+    b = rollout.greedy_evaluate(dense, params, inst, jax.random.key(0), pomo_size=N)
+    np.testing.assert_allclose(a.obj, b.obj, rtol=1e-5)
+    with pytest.raises(ValueError, match="moe_dispatch"):
+        PolicyConfig(moe_dispatch="fast")
