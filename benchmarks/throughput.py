@@ -151,7 +151,7 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
                   for r in range(repeats))
     flat = _augmented(inst, aug)
     m = flat.locs.shape[0]
-    chunk = rollout.default_chunk_size(size, size + 1) if chunk_size is None else chunk_size
+    chunk = rollout.default_chunk_size(size) if chunk_size is None else chunk_size
     chunk = m if chunk is None else min(chunk, m)
     chunk_steps = np.asarray(res.chunk_steps)
     flops = executed_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, m) * (m // batch)
