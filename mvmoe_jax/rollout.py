@@ -235,8 +235,8 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
             return encoded, jnp.sum(jnp.where(c_real[:, None, None], attn, 0.0), axis=(0, 1))
 
         encoded, sums = jax.lax.map(encode_and_pool, (chunks, real))
-        num_starts_ = start_nodes(jax.tree.map(lambda x: x[0], chunks), pomo_size)[0].shape[1]
-        pooled = sums.sum(0) / (m * num_starts_)
+        starts_per_instance = min(pomo_size, inst.locs.shape[-2] - 1)          # P of start_nodes
+        pooled = sums.sum(0) / (m * starts_per_instance)
         probs = policy.apply(params, pooled, method=Policy.hierarchical_gate_probs)
         outs = jax.lax.map(lambda a: decode(a[0], encoded=a[1], gate_probs=probs), (chunks, encoded))
     else:

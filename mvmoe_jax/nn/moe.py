@@ -587,7 +587,7 @@ class MoE(nn.Module):
                 units = x if x.ndim == 3 else x[None]  # (B, n, d); a 2-D input is one instance
                 gate_in = units.mean(1)  # the reference routes an instance by its mean token
             if self.routing in ("input_choice", "random"):
-                y, aux, stats = self._token_choice(units, gate_in, w_gate, w_noise, params, train)
+                y, aux, stats = self._token_choice(units, gate_in, params, train)
             elif self.routing == "expert_choice":
                 y, aux, stats = self._expert_choice(units, gate_in, w_gate, params)
             else:
@@ -624,7 +624,7 @@ class MoE(nn.Module):
             aux = jnp.zeros((), jnp.float32)
         return gates, top_idx, top_gate, aux
 
-    def _token_choice(self, units, gate_in, w_gate, w_noise, params, train):
+    def _token_choice(self, units, gate_in, params, train):
         """Input choice (noisy top-k) or random routing of units (U, R, d) -> (U, R, o)."""
         num_units, e, k = units.shape[0], self.num_experts, self.k
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)

@@ -244,7 +244,7 @@ class Policy(nn.Module):
 
         Why the fusion: a step's scores are ``(sum_m mix_m (attn @ W_m + b_m)) . emb_n``; computing
         ``W_m @ emb_n`` once per rollout turns the per-step (D x D per map, then D x N) work into D x N per
-        map, about 2.5x fewer FLOPs for MVMoE's 4 experts and 3.5x for a dense projection, and one
+        map, about 2.8x fewer FLOPs for MVMoE's 4 experts and 3.5x for a dense projection, and one
         instance-batched matmul instead of three contractions. Results agree to float32 rounding.
         """
         cfg = self.cfg
