@@ -131,13 +131,6 @@ def executed_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chun
     return total / num_instances
 
 
-def _augmented(inst, aug: int):
-    if aug == 1:
-        return inst
-    a = instances.augment_8(inst)
-    return jax.tree.map(lambda x: x.reshape((8 * x.shape[1],) + x.shape[2:]), a)
-
-
 def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
                   chunk_size: int | None = None, **cfg_kw) -> dict:
     cfg, params, weights_desc = load_weights(model, size, weights, **cfg_kw)
@@ -149,10 +142,9 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
     seconds = min(_timed(lambda: jax.block_until_ready(compiled(params, inst, jax.random.key(r))))
                   for r in range(repeats))
-    flat = _augmented(inst, aug)
+    flat = rollout.augmented_batch(inst) if aug == 8 else inst
     m = flat.locs.shape[0]
-    chunk = rollout.default_chunk_size(size) if chunk_size is None else chunk_size
-    chunk = m if chunk is None else min(chunk, m)
+    chunk = rollout.effective_chunk_size(chunk_size, size, flat)
     chunk_steps = np.asarray(res.chunk_steps)
     flops = executed_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, m) * (m // batch)
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,

@@ -251,6 +251,23 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     return merged, outs.num_steps
 
 
+def augmented_batch(inst: Instance) -> Instance:
+    """The 8 symmetric copies of a batch (B) flattened into one batch (8B), augmentation-major."""
+    aug = augment_8(inst)                                                          # (8, B, ...)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), aug)
+
+
+def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance) -> int:
+    """Instances ``greedy_evaluate`` decodes at once for the (augmented) batch ``flat``: ``chunk_size``
+    or ``default_chunk_size``, capped at the batch (the whole batch when there is no chunking)."""
+    m = flat.locs.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(min(pomo_size, flat.locs.shape[-2] - 1))
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of instances, got {chunk_size}")
+    return m if chunk_size is None else min(chunk_size, m)
+
+
 @partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size"))
 def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
                     augment: bool = True, chunk_size: int | None = None) -> GreedyResult:
@@ -260,18 +277,11 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     of this many; results do not depend on it). None: ``default_chunk_size(starts)``.
     """
     b = inst.locs.shape[0]
-    if augment:
-        aug = augment_8(inst)                                   # (8, B, ...)
-        flat = jax.tree.map(lambda x: x.reshape((8 * b,) + x.shape[2:]), aug)
-    else:
-        flat = inst
+    flat = augmented_batch(inst) if augment else inst
     m = flat.locs.shape[0]
-    num_customers = flat.locs.shape[-2] - 1
-    chunk = default_chunk_size(min(pomo_size, num_customers)) if chunk_size is None else chunk_size
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"chunk_size must be a positive number of instances, got {chunk}")
+    chunk = effective_chunk_size(chunk_size, pomo_size, flat)
     policy = Policy(cfg)
-    if chunk is None or chunk >= m:
+    if chunk == m:
         out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng)
         chunk_steps = out.num_steps[None]
     else:
