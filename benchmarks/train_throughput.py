@@ -26,10 +26,11 @@ from mvmoe_jax import training, training_loop  # noqa: E402
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
-            max_compile_steps: int = 6) -> dict:
+            max_compile_steps: int = 6, backward: str = "auto") -> dict:
     config = importlib.import_module(f"configs.{config_name}").get_config()
     config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
+    config.backward = backward
     plan = training_loop.check_config(config)
     fns = training_loop.step_functions(config, plan, training.make_mesh())
     t0 = time.perf_counter()
@@ -52,7 +53,8 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
         m = jax.device_get(m)
         t2 = time.perf_counter()
         assert m["finite"], "non-finite step"
-        first = step == 0 or length not in seen
+        # The replay compiles once per length; the stepwise backward once.
+        first = step == 0 or (fns.replays and length not in seen)
         seen.add(length)
         if first:
             compile_s += t2 - t0
@@ -64,7 +66,8 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     update_s = float(np.mean([b for _, b in timed])) if timed else float("nan")
     step_s = sample_s + update_s
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
-            "pomo": pomo, "batch": batch, "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
+            "pomo": pomo, "batch": batch, "backward": "replay" if fns.replays else "stepwise",
+            "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
             "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
             "compile_seconds": compile_s, "compiled_lengths": sorted(seen)}
@@ -77,6 +80,8 @@ def main():
     p.add_argument("--pomo", type=int, default=0, help="POMO starts; 0 = n")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after compilation)")
+    p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
+                   help="how gradients are taken (config.backward)")
     p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
     p.add_argument("--remat", action="store_true", help="replay_remat")
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
@@ -86,7 +91,8 @@ def main():
     load_before = os.getloadavg()
     rows = []
     for name in args.configs.split(","):
-        row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat)
+        row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
+                      backward=args.backward)
         rows.append(row)
         print(f"{name}: {row['instances_per_second']:.1f} instances/s ({row['step_seconds']:.2f} s/step: sample "
               f"{row['sample_seconds']:.2f} + update {row['update_seconds']:.2f}; compile "

@@ -50,10 +50,15 @@ def base_config() -> ml_collections.ConfigDict:
     # Fine-tuning: start from this policy (orbax checkpoint dir, training workdir or original .pt) with a
     # fresh optimiser (the paper's few-shot setting: one target variant, train_episodes=10000).
     c.finetune_from = ""
-    # Execution: the differentiable replay of sampled trajectories runs replay_chunk decoding steps at a
-    # time (vmapped; 1-4 is fastest on CPU, larger chunks feed accelerators bigger matmuls), over a length
-    # rounded up to a multiple of replay_bucket (0: auto, ceil(n/4); each length compiles once);
-    # replay_remat recomputes each chunk in the backward pass (less memory, ~1/3 more compute).
+    # Execution: how the gradient of the sampled trajectories is taken (mvmoe_jax/training.py).
+    # "stepwise": one decoding step at a time under jax.vjp, over exactly the steps the batch needed;
+    # "replay": a teacher-forced replay of the decoder, differentiated as a whole; "auto": stepwise on
+    # CPU (measured faster there), replay on accelerators.
+    c.backward = "auto"
+    # The replay runs replay_chunk decoding steps at a time (vmapped; 1-4 is fastest on CPU, larger chunks
+    # feed accelerators bigger matmuls), over a length rounded up to a multiple of replay_bucket (0: auto,
+    # ceil(n/4); each length compiles once); replay_remat recomputes each chunk in the backward pass
+    # (less memory, ~1/3 more compute).
     c.replay_chunk = 8
     c.replay_bucket = 0
     c.replay_remat = False

@@ -1,4 +1,4 @@
-"""REINFORCE with the POMO shared baseline: sampling, the differentiable replay, the loss and the train step.
+"""REINFORCE with the POMO shared baseline: sampling, the backward pass, the loss and the train step.
 
 How gradients flow through a rollout. ``rollout.rollout`` decodes under ``lax.while_loop``, which JAX
 cannot reverse-differentiate, and decoding 2n steps under a differentiable ``lax.scan`` would pay for the
@@ -8,15 +8,21 @@ longest possible tour every time. A training step therefore runs in two jitted c
    record=True)``, the inference rollout, which also records what the decoder saw at every step (the
    feasibility mask and the dynamic features; the current node is the previous action) and returns the
    number of decoding steps the batch needed.
-2. ``train_step`` (gradient): the encoder runs again and the decoder is *replayed* on the recorded inputs
-   (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same MoE gating noise and
-   MVMoE-L branch draws), for a static number of steps T rounded up from the steps actually needed to a
-   bucket (so only a handful of shapes ever compile). Since every step's inputs
-   are known up front, the steps are independent: they run as one vmapped batch per chunk of
-   ``replay_chunk`` steps (``lax.map``), which gives the accelerator large matmuls instead of T tiny
-   sequential ones; ``replay_remat`` recomputes each chunk in the backward pass to bound memory. The
-   replayed log-likelihood equals the sampling pass's (tested), so the gradient is the REINFORCE gradient
-   of the trajectories that were sampled.
+2. ``train_step`` (gradient), in one of two ways (``StepSettings.backward``); both re-run the decoder on
+   the recorded inputs (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same
+   MoE gating noise and MVMoE-L branch draws), so the log-likelihood they differentiate equals the
+   sampling pass's (tested) and the gradient is the REINFORCE gradient of the sampled trajectories:
+
+   - ``stepwise_gradients`` (default on CPU): the loss is linear in each step's log-probability, so its
+     gradient is a sum of per-step vector-Jacobian products. A ``lax.while_loop`` over exactly the steps
+     the batch needed runs each step under ``jax.vjp`` and accumulates the cotangents; one compilation
+     serves every length, and there is no forward replay before the backward pass.
+   - ``replay`` (default on accelerators): the decoder is replayed as a whole and differentiated with
+     ``jax.grad``, for a static number of steps T rounded up from the steps actually needed to a bucket
+     (so only a handful of shapes ever compile). Since every step's inputs are known up front, the steps
+     are independent: they run as one vmapped batch per chunk of ``replay_chunk`` steps (``lax.map``),
+     which gives the accelerator large matmuls instead of T tiny sequential ones; ``replay_remat``
+     recomputes each chunk in the backward pass to bound memory.
 
 Loss (reference ``Trainer._train_one_batch``): ``reward = -cost``; per instance the baseline is the mean
 reward over its valid POMO starts; ``loss = mean over valid (instance, start) of -(reward - baseline) *
@@ -46,6 +52,7 @@ from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
 
 DATA_AXIS = "data"
+BACKWARDS = ("auto", "stepwise", "replay")
 
 
 class NonFiniteError(RuntimeError):
@@ -125,6 +132,67 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
           traj.active[:num_steps])
     ll, aux = jax.lax.map(one_step, xs, batch_size=min(chunk, num_steps))
     return ll.sum(0), aux_enc + aux.sum()
+
+
+def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array,
+                       ll_weight: jax.Array, aux_weight: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+    """Gradient in ``params`` of ``sum(ll_weight * log_likelihood) + aux_weight * aux`` over the recorded
+    trajectories, taken one decoding step at a time: (gradient, log-likelihood (B, P), aux ()).
+
+    The REINFORCE loss is linear in the per-step log-probabilities, so its gradient is a sum over steps of
+    one step's vector-Jacobian product. This runs the encoder once under ``jax.vjp``, then a
+    ``lax.while_loop`` over exactly the ``traj.num_steps`` steps the batch needed (no padding to a bucket,
+    no compile per length) that re-runs each step's decoder under ``jax.vjp`` and accumulates the cotangents
+    of the parameters and of the decoder cache; the cache's cotangent then goes back through the encoder.
+    Nothing is stored across steps, and unlike ``replay`` no separate forward pass precedes the backward
+    one. MVMoE-L's dense-or-MoE probabilities come from step 0 and serve every step: their cotangents are
+    summed over steps 1.. and passed back through step 0, which runs last.
+
+    ll_weight: (B, P) d loss / d log-likelihood; aux_weight: () d loss / d aux. ``rng`` is the key the
+    trajectories were sampled with. jit-compatible (``policy`` static).
+    """
+    k_enc, keys = decoding_keys(rng, traj.masks.shape[0])
+
+    def encoder(p):
+        emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
+        return policy.apply(p, emb, method=Policy.precompute), aux
+
+    (cache, aux_enc), encoder_vjp = jax.vjp(encoder, params)
+
+    def step_objective(t, p, c, gate_probs):
+        """(weighted log-probability of step t's action + weighted aux, gate probs), (picked, aux_t)."""
+        logp, aux_t, gate_probs = policy.apply(
+            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True,
+            method=Policy.decode, rngs={"gating": jax.random.split(keys[t])[0]})
+        picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
+        picked = jnp.where(traj.active[t], picked, 0.0)
+        objective = jnp.sum(ll_weight * picked) + aux_weight * aux_t
+        return (objective, gate_probs), (picked, aux_t)
+
+    # Step 0 first, forward only: it yields MVMoE-L's gate probabilities for the others (zeros elsewhere).
+    (_, gate_probs), step0_vjp, (ll, aux_dec) = jax.vjp(
+        lambda p, c: step_objective(0, p, c, None), params, cache, has_aux=True)
+    if gate_probs is None:
+        gate_probs = jnp.zeros((2,), jnp.float32)
+        step0_vjp_cotangent = lambda g: (jnp.float32(1.0), None)   # noqa: E731
+    else:
+        step0_vjp_cotangent = lambda g: (jnp.float32(1.0), g)      # noqa: E731
+
+    def body(carry):
+        t, g_params, g_cache, g_gate, ll, aux = carry
+        (_, _), vjp_t, (picked, aux_t) = jax.vjp(
+            lambda p, c, g: step_objective(t, p, c, g), params, cache, gate_probs, has_aux=True)
+        dp, dc, dg = vjp_t((jnp.float32(1.0), jnp.zeros_like(gate_probs)))
+        return (t + 1, jax.tree.map(jnp.add, g_params, dp), jax.tree.map(jnp.add, g_cache, dc), g_gate + dg,
+                ll + picked, aux + aux_t)
+
+    zeros = partial(jax.tree.map, jnp.zeros_like)
+    carry = (jnp.int32(1), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux_dec)
+    _, g_params, g_cache, g_gate, ll, aux_dec = jax.lax.while_loop(lambda c: c[0] < traj.num_steps, body, carry)
+    dp, dc = step0_vjp(step0_vjp_cotangent(g_gate))
+    (de,) = encoder_vjp((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
+    grads = jax.tree.map(lambda a, b, c: a + b + c, g_params, dp, de)
+    return grads, ll, aux_enc + aux_dec
 
 
 def reinforce_loss(log_likelihood: jax.Array, cost: jax.Array, valid: jax.Array, aux_loss: jax.Array,
@@ -214,8 +282,22 @@ class StepSettings:
 
     pomo_size: int
     aux_loss_coef: float
+    backward: str = "auto"      # auto | stepwise | replay; see resolved_backward
     replay_chunk: int = 8
     replay_remat: bool = False
+
+    def __post_init__(self):
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
+
+    @property
+    def resolved_backward(self) -> str:
+        """``backward`` with ``auto`` resolved for the default backend: ``stepwise_gradients`` on CPU
+        (measured there: no forward replay and no padding to a bucket), ``replay`` on accelerators (its
+        vmapped steps give them large matmuls)."""
+        if self.backward != "auto":
+            return self.backward
+        return "stepwise" if jax.default_backend() == "cpu" else "replay"
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
@@ -224,13 +306,23 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     """One optimiser step on sampled trajectories. A non-finite loss or gradient leaves the state as it
     was (``metrics['finite']`` is False) so the caller can stop with the last good parameters."""
 
-    def loss_fn(params):
-        ll, aux = replay(policy, params, inst, traj, rng, num_steps=num_steps, chunk=settings.replay_chunk,
-                         remat=settings.replay_remat)
-        loss, pg = reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
-        return loss, (pg, aux, ll)
+    def loss_of(ll, aux):
+        return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
 
-    (loss, (pg, aux, ll)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if settings.resolved_backward == "stepwise":
+        # The loss is linear in (ll, aux): its partial derivatives weigh the per-step gradients.
+        ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
+            traj.log_likelihood, traj.aux_loss)
+        grads, ll, aux = stepwise_gradients(policy, state.params, inst, traj, rng, ll_weight, aux_weight)
+        loss, pg = loss_of(ll, aux)
+    else:
+        def loss_fn(params):
+            ll, aux = replay(policy, params, inst, traj, rng, num_steps=num_steps, chunk=settings.replay_chunk,
+                             remat=settings.replay_remat)
+            loss, pg = loss_of(ll, aux)
+            return loss, (pg, aux, ll)
+
+        (loss, (pg, aux, ll)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
@@ -260,6 +352,8 @@ class StepFunctions:
             tx = tx.build()
         self.tx = tx
         self.policy = Policy(cfg)
+        # The replay compiles the update once per replay length; the stepwise backward compiles it once.
+        self.replays = settings.resolved_backward == "replay"
         self.mesh = mesh
         self.num_devices = mesh.devices.size
         self.bucket = replay_bucket(num_customers, replay_bucket_size)
@@ -311,8 +405,11 @@ class StepFunctions:
 
     def update(self, state: TrainState, inst: Instance, traj: RolloutOutput, rng: jax.Array,
                num_steps: int | None = None) -> tuple[TrainState, dict]:
-        """``num_steps`` defaults to the bucket above the steps the trajectories needed (a host sync)."""
-        if num_steps is None:
+        """``num_steps`` (replay only) defaults to the bucket above the steps the trajectories needed (a
+        host sync)."""
+        if not self.replays:
+            num_steps = 0           # unused: the stepwise backward reads the step count on the device
+        elif num_steps is None:
             num_steps = self.replay_length(int(traj.num_steps))
         return self._update(state, jax.device_put(inst, self.batch_sharding), traj, rng, num_steps=num_steps)
 

@@ -81,6 +81,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     _require(policy.model != "pomo" or len(variants) == 1,
              f"model 'pomo' is the single-task baseline: give one variant in train_problems (got "
              f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
+    _require(config.backward in training.BACKWARDS,
+             f"backward must be one of {', '.join(training.BACKWARDS)}, got {config.backward!r}")
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
     steps = math.ceil(config.train_episodes / config.batch_size)
     last = config.train_episodes - (steps - 1) * config.batch_size
@@ -99,7 +101,8 @@ def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> St
     # aux_loss_coef is the paper's alpha on the unweighted loss.
     settings = StepSettings(pomo_size=config.pomo_size,
                             aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
-                            replay_chunk=config.replay_chunk, replay_remat=config.replay_remat)
+                            backward=config.backward, replay_chunk=config.replay_chunk,
+                            replay_remat=config.replay_remat)
     return StepFunctions.cached(plan.policy, plan.optimizer, settings, num_customers=config.problem_size,
                                 variants=plan.variants, mixed=config.mixed_batches, mesh=mesh,
                                 replay_bucket_size=config.replay_bucket)
