@@ -140,6 +140,23 @@ def test_top_k_gates_tiny_example():
     np.testing.assert_allclose(tg, [np_softmax(np.array([6.0, 4.0]))], rtol=1e-6)
 
 
+@pytest.mark.parametrize("num_experts,m", [(4, 3), (4, 2), (8, 3), (3, 3)])
+def test_small_top_k_equals_lax_top_k_with_ties_and_gradients(num_experts, m):
+    """The argmax passes give lax.top_k's values, indices (ties: lower index first) and gradients."""
+    x = jax.random.normal(jax.random.key(0), (300, num_experts))
+    # Many exact ties (+ 0.0 turns -0.0 into 0.0: lax.top_k orders -0.0 below 0.0, argmax calls them equal).
+    x = x.at[:40].set(jnp.round(x[:40]) + 0.0)
+    x = x.at[40].set(0.0)                              # a row of equal values
+    values, indices = M.small_top_k(x, m)
+    want_v, want_i = jax.lax.top_k(x, m)
+    np.testing.assert_array_equal(values, want_v)
+    np.testing.assert_array_equal(indices, want_i)
+    w = jax.random.normal(jax.random.key(1), (300, m))
+    got_g = jax.grad(lambda x: jnp.sum(M.small_top_k(x, m)[0] * w))(x)
+    want_g = jax.grad(lambda x: jnp.sum(jax.lax.top_k(x, m)[0] * w))(x)
+    np.testing.assert_array_equal(got_g, want_g)
+
+
 def test_moe_tiny_known_weights_output_and_loss():
     """Linear experts that output the constant j: y = sum_j gate_j * j, checked by hand."""
     moe = M.MoE(output_dim=3, num_experts=4, k=2, expert_type="linear")

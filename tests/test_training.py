@@ -142,6 +142,26 @@ def test_stepwise_and_replay_updates_agree_and_bad_backward_is_rejected(tmp_path
         training.StepSettings(pomo_size=N, aux_loss_coef=1.0, backward="reverse")
 
 
+def test_sampled_actions_follow_the_policy_and_never_take_a_masked_node():
+    """Inversion sampling: frequencies over 20,000 draws match the probabilities (including a row with a
+    single feasible node and rows of near-zero probabilities), and no masked node is ever drawn."""
+    n = 12
+    logits = jax.random.normal(jax.random.key(0), (3, n)) * 3
+    mask = jnp.array([[True] * n, [i % 3 == 0 for i in range(n)], [i == 7 for i in range(n)]])
+    logp = jax.nn.log_softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    draws = 20000
+    keys = jax.random.split(jax.random.key(1), draws)
+    actions = np.asarray(jax.jit(jax.vmap(lambda k: rollout.sample_actions(k, logp)))(keys))     # (draws, 3)
+    assert actions.dtype == np.int32
+    probs = np.exp(np.asarray(logp, np.float64))
+    for row in range(3):
+        assert mask[row][actions[:, row]].all()
+        freq = np.bincount(actions[:, row], minlength=n) / draws
+        # 5 standard errors of a binomial frequency (and exact for the single feasible node).
+        tol = 5 * np.sqrt(probs[row] * (1 - probs[row]) / draws) + 1e-12
+        assert np.all(np.abs(freq - probs[row]) <= tol), (row, freq, probs[row])
+
+
 def test_loss_matches_an_independent_recomputation_and_a_step_lowers_it(tmp_path):
     fns, plan = loop_functions(tiny_config(tmp_path))
     state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))

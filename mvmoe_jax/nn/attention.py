@@ -23,12 +23,46 @@ def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     """Scaled dot-product attention.
 
     q (B, H, m, d), k and v (B, H, n, d); mask bool (B, m, n), True = may attend. Returns (B, m, H*d).
+    Differentiable, with a hand-written backward pass (see ``_attention_bwd``).
     """
+    return merge_heads(_attention(q, k, v, mask))
+
+
+def _attention_fwd(q, k, v, mask):
+    """(B, H, m, d) output and the residuals (q, k, v, softmax weights) of the backward pass."""
     score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
     if mask is not None:
         score = jnp.where(mask[:, None], score, -jnp.inf)
     weights = jax.nn.softmax(score.astype(jnp.float32), axis=-1).astype(v.dtype)
-    return merge_heads(jnp.einsum("bhmn,bhnd->bhmd", weights, v))
+    return jnp.einsum("bhmn,bhnd->bhmd", weights, v), (q, k, v, weights)
+
+
+def _attention_bwd(residuals, g):
+    """The softmax-attention gradients, with the two products that contract over the queries (dk, dv)
+    written against explicitly transposed weights. Left to autodiff, XLA:CPU runs those as transposed-
+    operand dots outside its fast matmul library: measured at ~17 GFLOP/s for a decoding step's
+    (64 x 8) x [50 x 51]^T [50 x 16], against ~50 as plain products; the transposes cost far less."""
+    q, k, v, weights = residuals
+    f32 = jnp.float32
+    g, weights = g.astype(f32), weights.astype(f32)
+    scale = 1.0 / jnp.sqrt(f32(q.shape[-1]))
+    d_weights = jnp.einsum("bhmd,bhnd->bhmn", g, v.astype(f32))
+    d_score = weights * (d_weights - jnp.sum(d_weights * weights, axis=-1, keepdims=True)) * scale
+    dq = jnp.einsum("bhmn,bhnd->bhmd", d_score, k.astype(f32))
+    # optimization_barrier keeps XLA from folding the transposes back into the dots.
+    weights_t, d_score_t = jax.lax.optimization_barrier((jnp.swapaxes(weights, -1, -2),
+                                                         jnp.swapaxes(d_score, -1, -2)))
+    dv = jnp.einsum("bhnm,bhmd->bhnd", weights_t, g)
+    dk = jnp.einsum("bhnm,bhmd->bhnd", d_score_t, q.astype(f32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+@jax.custom_vjp
+def _attention(q, k, v, mask):
+    return _attention_fwd(q, k, v, mask)[0]
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 class InstanceNorm(nn.Module):
