@@ -12,7 +12,7 @@ same process and adds its figures and our speed-up.
 
 Inference: greedy decoding from all n starts with x8 augmentation (``--aug``), with trained weights where
 available (``--weights``; the decoding steps, hence the time, depend on them). Training: full optimiser
-steps (sampling rollout, replayed decoder, backward pass, Adam). Instances per second exclude compilation,
+steps (sampling rollout, backward pass, Adam; ``--backward``). Instances per second exclude compilation,
 which is reported separately. FLOPs are those the compiled program executes, from XLA's cost analysis of
 the encoder and of one decoding step at the decoding chunk's size (a ``while_loop`` body is counted once
 by XLA, so the steps each chunk ran are multiplied in here); the FLOP limit is those FLOPs at the matmul
@@ -156,21 +156,22 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
 
 
 def default_replay(backend: str | None = None) -> tuple[int, bool]:
-    """(replay_chunk, replay_remat) for the backend: on CPU two steps at a time, recomputed in the backward
-    pass (storing every step's attention weights costs more memory traffic than recomputing them); on
-    accelerators the configs' 8 steps at a time, stored."""
+    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``; the
+    default on accelerators): on CPU two steps at a time, recomputed in the backward pass (storing every
+    step's attention weights costs more memory traffic than recomputing them); on accelerators the
+    configs' 8 steps at a time, stored."""
     return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
 
 
-def measure_train(model: str, size: int, batch: int, steps: int = 3, replay_chunk: int | None = None,
-                  replay_remat: bool | None = None, **cfg_kw) -> dict:
+def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
+                  replay_chunk: int | None = None, replay_remat: bool | None = None, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py)."""
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()
     chunk = chunk if replay_chunk is None else replay_chunk
     remat = remat if replay_remat is None else replay_remat
-    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat)
+    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
@@ -223,6 +224,8 @@ def main():
     p.add_argument("--dispatch", default=None, help="MoE execution: auto | dense | grouped | sparse | einsum")
     p.add_argument("--fused_readout", default=None, choices=["true", "false"])
     p.add_argument("--compute_dtype", default=None, help="float32 | bfloat16")
+    p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
+                   help="training: how the gradient is taken (config.backward; auto = stepwise on CPU)")
     p.add_argument("--torch", action="store_true",
                    help="also run RL4CO (pip install -e '.[torch]') on the same workloads, with the ratios")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
@@ -254,7 +257,7 @@ def main():
             for size in sizes:
                 for batch in batches:
                     extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                        if mode == "infer" else dict(kw)
+                        if mode == "infer" else dict(kw, backward=args.backward)
                     row = run(mode, model, size, batch, peak, with_torch=args.torch, **extra)
                     rows.append(row)
                     print(f"{mode:5s} {MODELS[model]:11s} n={size:3d} batch={batch:4d}: "

@@ -31,9 +31,11 @@ RULES = ("visited", "capacity", "backhaul_overload", "route_limit", "time_window
 
 @struct.dataclass
 class State:
-    """One partial solution (batched forms add leading axes to every field except ``instance``'s own).
+    """One partial solution (batched forms add leading axes to every field except ``instance`` and
+    ``distances``, which belong to the instance).
 
       instance:  the Instance being solved.
+      distances: float32 (n+1, n+1) distances between nodes, computed once at reset (see distance_matrix).
       current:   int32 ()      node the vehicle stands on.
       load:      float32 ()    remaining load (capacity normalised to 1).
       time:      float32 ()    time after serving ``current`` (0 without TW, 0 at the depot).
@@ -45,6 +47,7 @@ class State:
     """
 
     instance: Instance
+    distances: jax.Array
     current: jax.Array
     load: jax.Array
     time: jax.Array
@@ -55,15 +58,18 @@ class State:
     num_steps: jax.Array
 
 
-def _dist_from(locs: jax.Array, node: jax.Array) -> jax.Array:
-    """(n+1,) Euclidean distances from ``node`` to every node, computed as the reference does."""
-    return jnp.sqrt(jnp.sum((locs - locs[node]) ** 2, axis=-1))
+def distance_matrix(locs: jax.Array) -> jax.Array:
+    """(n+1, n+1) Euclidean distances, row i from node i, each computed as the reference does for one
+    move (``sqrt(sum((x_j - x_i)^2))`` in float32). A decoding step reads rows of it: recomputing the
+    distances from the current node at every step measured as one of the largest costs of a CPU decoding
+    step (a reduction over a minor axis of 2)."""
+    return jnp.sqrt(jnp.sum((locs[None, :, :] - locs[:, None, :]) ** 2, axis=-1))
 
 
 def _initial(inst: Instance) -> State:
     n1 = inst.locs.shape[-2]
     f32 = lambda v: jnp.asarray(v, jnp.float32)
-    return State(instance=inst, current=jnp.int32(0), load=f32(1.0), time=f32(0.0), length=f32(0.0),
+    return State(instance=inst, distances=distance_matrix(inst.locs), current=jnp.int32(0), load=f32(1.0), time=f32(0.0), length=f32(0.0),
                  cost=f32(0.0), visited=jnp.zeros((n1,), bool), finished=jnp.asarray(False),
                  num_steps=jnp.int32(-1))
 
@@ -77,8 +83,7 @@ def step(state: State, action: jax.Array) -> State:
     """Move the vehicle to node ``action`` (no feasibility check: see ``action_mask``)."""
     inst = state.instance
     a = jnp.asarray(action, jnp.int32)
-    # One distance, computed exactly as _dist_from does (not all n+1 of them).
-    d = jnp.sqrt(jnp.sum((inst.locs[a] - inst.locs[state.current]) ** 2, axis=-1))
+    d = state.distances[state.current, a]
     at_depot = a == 0
 
     load = jnp.where(at_depot, 1.0, state.load - inst.demand[a])
@@ -102,8 +107,8 @@ def violations(state: State) -> jax.Array:
     """bool (len(RULES), n+1): which feasibility rule forbids each next node (any True = infeasible)."""
     inst = state.instance
     demand = inst.demand
-    d_cur = _dist_from(inst.locs, state.current)
-    d_depot = _dist_from(inst.locs, jnp.int32(0))
+    d_cur = state.distances[state.current]
+    d_depot = state.distances[0]
     is_depot = jnp.arange(demand.shape[-1]) == 0
     close = inst.tw_end[0]
 
@@ -142,10 +147,14 @@ def cost(state: State) -> jax.Array:
 # Batched forms: states of shape (batch, pomo); the instance has only the batch axis.
 # ----------------------------------------------------------------------------------------------------
 
+_PER_INSTANCE = ("instance", "distances")
+
+
 def _state_axes(instance_axis) -> State:
-    """vmap axes for a State: 0 for every per-trajectory field, ``instance_axis`` for the instance."""
-    fields = {f: 0 for f in State.__dataclass_fields__ if f != "instance"}
-    return State(instance=instance_axis, **fields)
+    """vmap axes for a State: 0 for every per-trajectory field, ``instance_axis`` for the instance and
+    its distances."""
+    fields = {f: 0 for f in State.__dataclass_fields__ if f not in _PER_INSTANCE}
+    return State(instance=instance_axis, distances=instance_axis, **fields)
 
 
 # Inner vmap over POMO starts shares the instance (axis None); the outer one maps the batch.
@@ -162,5 +171,5 @@ def batch_reset(instances: Instance, pomo_size: int) -> State:
     def expand(x):
         return jnp.broadcast_to(x[:, None], (x.shape[0], pomo_size) + x.shape[1:])
 
-    fields = {f: expand(getattr(single, f)) for f in State.__dataclass_fields__ if f != "instance"}
-    return State(instance=instances, **fields)
+    fields = {f: expand(getattr(single, f)) for f in State.__dataclass_fields__ if f not in _PER_INSTANCE}
+    return State(instance=instances, distances=single.distances, **fields)
