@@ -7,8 +7,9 @@ One workload (the contract used by external checks)::
 writes ``{"instances_per_second", "compile_seconds", "device", "seconds", "flops_per_instance",
 "achieved_gflops", "fraction_of_matmul_peak", "seconds_over_flop_limit", "peak_memory_bytes", ...}``.
 Without ``--model`` it sweeps every model, the sizes in ``--sizes`` and the batch sizes in ``--batches``
-and prints a markdown table. ``--torch`` runs RL4CO (the ``[torch]`` extra) on the same workloads in the
-same process and adds its figures and our speed-up.
+and prints a markdown table. ``--torch`` runs RL4CO (the ``[torch]`` extra) and ``--authors=PATH`` the authors'
+own PyTorch code (a checkout of RoyalSkye/Routing-MVMoE; see ``authors_peer.py``) on the same workloads in
+the same process, and add their figures and our speed-up.
 
 Inference: greedy decoding from all n starts with x8 augmentation (``--aug``), with trained weights where
 available (``--weights``; the decoding steps, hence the time, depend on them). Training: full optimiser
@@ -177,7 +178,7 @@ def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: s
 
 
 def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_torch: bool = False,
-        **kw) -> dict:
+        authors_code: str | None = None, **kw) -> dict:
     row = (measure_infer if mode == "infer" else measure_train)(model, size, batch, **kw)
     row["device"] = device_description()
     row["peak_memory_bytes"] = peak_memory_bytes()
@@ -186,6 +187,9 @@ def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_t
         row["fraction_of_matmul_peak"] = row["achieved_gflops"] / peak
         row["flop_limit_seconds"] = row["flops_per_instance"] * batch / (peak * 1e9)
         row["seconds_over_flop_limit"] = row["seconds"] / row["flop_limit_seconds"]
+    if authors_code:
+        row["authors"] = authors_row(mode, model, size, batch, kw.get("aug", 8), authors_code)
+        row["speedup_vs_authors"] = row["instances_per_second"] / row["authors"]["instances_per_second"]
     if with_torch:
         row["torch"] = torch_row(mode, model, size, batch, kw.get("aug", 8))
         if "instances_per_second" in row["torch"]:
@@ -205,6 +209,16 @@ def torch_row(mode: str, model: str, size: int, batch: int, aug: int) -> dict:
         inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
         return torch_peer.torch_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), aug=aug)
     return torch_peer.torch_train(model, size, batch)
+
+
+def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: str) -> dict:
+    """The authors' PyTorch code on the same workload (the same generated instances for inference)."""
+    import authors_peer  # benchmarks/authors_peer.py; needs torch and a checkout of their code
+
+    if mode == "infer":
+        inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
+        return authors_peer.authors_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), code, aug=aug)
+    return authors_peer.authors_train(model, size, batch, code)
 
 
 def main():
@@ -228,6 +242,9 @@ def main():
                    help="training: how the gradient is taken (config.backward; auto = stepwise on CPU)")
     p.add_argument("--torch", action="store_true",
                    help="also run RL4CO (pip install -e '.[torch]') on the same workloads, with the ratios")
+    p.add_argument("--authors", default=os.environ.get("MVMOE_AUTHORS_CODE"), metavar="PATH",
+                   help="also run the authors' PyTorch code from this checkout of RoyalSkye/Routing-MVMoE "
+                        "(default: $MVMOE_AUTHORS_CODE), with the ratios")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
 
@@ -242,6 +259,11 @@ def main():
         import torch_peer
         if not torch_peer.rl4co_available():
             p.error("--torch needs RL4CO: pip install -e '.[torch]'")
+    if args.authors:
+        import authors_peer
+        if not authors_peer.authors_available(args.authors):
+            p.error(f"--authors={args.authors} is not a checkout of RoyalSkye/Routing-MVMoE that imports with "
+                    f"torch (see benchmarks/authors_peer.py)")
     models = [args.model] if args.model else list(MODELS)
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",")]
     batches = [args.batch] if args.batch else [int(b) for b in args.batches.split(",")]
@@ -258,14 +280,17 @@ def main():
                 for batch in batches:
                     extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
                         if mode == "infer" else dict(kw, backward=args.backward)
-                    row = run(mode, model, size, batch, peak, with_torch=args.torch, **extra)
+                    row = run(mode, model, size, batch, peak, with_torch=args.torch, authors_code=args.authors,
+                              **extra)
                     rows.append(row)
                     print(f"{mode:5s} {MODELS[model]:11s} n={size:3d} batch={batch:4d}: "
                           f"{row['instances_per_second']:8.2f} inst/s  ({row['seconds']:.3f} s, compile "
                           f"{row['compile_seconds']:.1f} s)" + (f", {row['fraction_of_matmul_peak']:.0%} of peak"
                                                                if "fraction_of_matmul_peak" in row else "")
                           + (f"; RL4CO {row['torch']['instances_per_second']:.2f} inst/s, "
-                             f"{row['speedup_vs_torch']:.1f}x" if "speedup_vs_torch" in row else ""),
+                             f"{row['speedup_vs_torch']:.1f}x" if "speedup_vs_torch" in row else "")
+                          + (f"; authors {row['authors']['instances_per_second']:.2f} inst/s, "
+                             f"{row['speedup_vs_authors']:.1f}x" if "speedup_vs_authors" in row else ""),
                           flush=True)
     print_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
@@ -279,8 +304,11 @@ def main():
 
 def print_table(rows: list[dict]) -> None:
     torch = any("torch" in r for r in rows)
+    authors = any("authors" in r for r in rows)
     head = "| mode | model | n | batch | weights | decode steps | instances/s | seconds | compile s | GFLOP/s | " \
            "% of peak | x FLOP limit |"
+    if authors:
+        head += " authors s | authors steps | speed-up |"
     if torch:
         head += " RL4CO s | RL4CO steps | speed-up |"
     print("\n" + head)
@@ -292,6 +320,10 @@ def print_table(rows: list[dict]) -> None:
                 f"{r.get('decode_steps', '')} | {r['instances_per_second']:.2f} | {r['seconds']:.3f} | "
                 f"{r['compile_seconds']:.1f} | {r.get('achieved_gflops', nan):.1f} | "
                 f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} |")
+        if authors:
+            a = r.get("authors", {})
+            line += (f" {a.get('seconds', a.get('seconds_per_step', nan)):.2f} | {a.get('decode_steps', '')} | "
+                     f"{r.get('speedup_vs_authors', nan):.1f}x |")
         if torch:
             t = r.get("torch", {})
             line += (f" {t.get('seconds', t.get('seconds_per_step', nan)):.2f} | {t.get('decode_steps', '')} | "

@@ -1,9 +1,11 @@
 """Smoke tests: the benchmark scripts run on a tiny size and write their JSON (no timing asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
@@ -45,3 +47,42 @@ def test_env_and_train_benchmarks(tmp_path):
           f"--output={out}"])
     row = json.loads(out.read_text())["rows"][0]
     assert row["instances_per_second"] > 0 and row["timed_steps"] == 1
+
+
+def _authors_peer():
+    """benchmarks/authors_peer.py, imported in this process (it imports without torch)."""
+    if str(REPO_ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import authors_peer
+    return authors_peer
+
+
+def test_authors_peer_runs_the_authors_code_on_tiny_instances():
+    """benchmarks/authors_peer.py on the authors' own PyTorch code (a local checkout of
+    RoyalSkye/Routing-MVMoE named by $MVMOE_AUTHORS_CODE): 2 instances of n = 20, without and with x8."""
+    code = os.environ.get("MVMOE_AUTHORS_CODE")
+    if not code:
+        pytest.skip("set MVMOE_AUTHORS_CODE to a checkout of RoyalSkye/Routing-MVMoE to run the authors' peer")
+    pytest.importorskip("torch", reason="the authors' code needs PyTorch (the optional [torch] extra)")
+    authors_peer = _authors_peer()
+
+    rng = np.random.default_rng(0)
+    locs = rng.random((2, 21, 2), dtype=np.float32)
+    demand = np.concatenate([np.zeros((2, 1)), rng.integers(1, 10, (2, 20)) / 30.0], axis=1).astype(np.float32)
+    for aug in (1, 8):
+        res = authors_peer.authors_infer("mvmoe", locs, demand, code, aug=aug, repeats=1)
+        assert res["framework"] == "pytorch/authors" and res["model"] == "mvmoe"
+        assert (res["num_customers"], res["batch"], res["aug"]) == (20, 2, aug)
+        assert res["seconds"] > 0 and res["instances_per_second"] > 0 and len(res["all_seconds"]) == 1
+        assert np.isfinite(res["mean_objective"]) and res["mean_objective"] > 0
+        assert res["mean_objective"] <= res["no_aug_mean_objective"] + 1e-6      # best over more candidates
+        assert res["feasible"] and 20 <= res["decode_steps"] <= 40
+        assert res["threads"] >= 1 and res["torch_version"]
+
+
+def test_authors_peer_rejects_a_folder_that_is_not_the_authors_code(tmp_path):
+    authors_peer = _authors_peer()
+    with pytest.raises(ValueError, match="Routing-MVMoE"):
+        authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), str(tmp_path))
+    with pytest.raises(ValueError, match="--code"):
+        authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), None)
