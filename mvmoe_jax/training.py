@@ -106,7 +106,7 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
     cfg = policy.cfg
     k_enc, keys = decoding_keys(rng, num_steps)
     emb, aux_enc = policy.apply(params, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-    cache = policy.apply(params, emb, method=Policy.precompute)
+    cache = policy.apply(params, emb, False, method=Policy.precompute)      # no query fusion: see precompute
     current = jnp.moveaxis(traj.actions[..., :num_steps], -1, 0)              # (T, B, P)
     chosen = jnp.moveaxis(traj.actions[..., 1:num_steps + 1], -1, 0)          # (T, B, P)
 
@@ -155,7 +155,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
 
     def encoder(p):
         emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-        return policy.apply(p, emb, method=Policy.precompute), aux
+        return policy.apply(p, emb, False, method=Policy.precompute), aux      # no query fusion: see precompute
 
     (cache, aux_enc), encoder_vjp = jax.vjp(encoder, params)
 

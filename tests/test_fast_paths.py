@@ -1,4 +1,4 @@
-"""The execution shortcuts give the results of the plain computation: the decoder's readout fusion,
+"""The execution shortcuts give the results of the plain computation: the decoder's readout and query fusions,
 chunked greedy evaluation (MVMoE-L's batch-pooled gate included) and the grouped MoE execution."""
 
 from __future__ import annotations
@@ -40,21 +40,29 @@ def mixed_batch(size: int, seed: int = 1):
     return jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
 
 
+@pytest.mark.parametrize("fusion,cache_field", [("fused_readout", "readout"), ("fused_query", "node_scores")])
 @pytest.mark.parametrize("model", MODELS)
-def test_fused_readout_gives_the_plain_log_probabilities(model):
+def test_fusions_give_the_plain_log_probabilities(model, fusion, cache_field):
+    """Each decoder fusion (readout: the combining maps folded into the node embeddings; query: every
+    possible query's attention scores precomputed) gives the log-probabilities of the plain path, two
+    steps into a rollout (varied current nodes and dynamic features)."""
     cfg = small_config(model)
-    assert cfg.uses_fused_readout
-    plain_cfg = dataclasses.replace(cfg, fused_readout=False)
+    assert cfg.uses_fused_readout and cfg.fused_query
+    plain_cfg = dataclasses.replace(cfg, **{fusion: False})
     params = perturbed_params(cfg)
     inst = mixed_batch(8)
     fused, plain = Policy(cfg), Policy(plain_cfg)
     states, _, _ = rollout.initial_states(inst, N)
+    for step in range(2):     # two uniformly random feasible moves
+        logp = jnp.log(env.batch_action_mask(states).astype(jnp.float32))
+        states = env.batch_step(states, rollout.sample_actions(jax.random.key(step), logp))
     mask = env.batch_action_mask(states)
     dyn = rollout.dynamic_features(states)
+    assert float(jnp.abs(dyn[..., :3]).max()) > 0 and len(np.unique(np.asarray(states.current))) > 3
     outs = []
     for policy in (fused, plain):
         cache, _ = rollout.encode(policy, params, inst, jax.random.key(0))
-        assert (cache.readout is not None) == (policy is fused)
+        assert (getattr(cache, cache_field) is not None) == (policy is fused)
         outs.append(policy.apply(params, cache, states.current, dyn, mask, None, False, method=Policy.decode,
                                  rngs={"gating": jax.random.key(3)}))
     (lp_f, aux_f, probs_f), (lp_p, aux_p, probs_p) = outs

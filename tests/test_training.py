@@ -295,7 +295,9 @@ def test_sharded_step_equals_the_single_device_step():
     assert out["devices"] == 2
     r = out["sgd"]
     assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6)     # the same sampled trajectories
-    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+    # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
+    # steps) whose summation order changes when the batch is split: agreement to ~1e-5 of its size.
+    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-4)
     assert r["replicated"] and "2" in r["mesh"]
     # The same gradient, hence (plain SGD) the same parameters. Adam is left out on purpose: it divides
     # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact arithmetic

@@ -28,13 +28,24 @@ def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     return merge_heads(_attention(q, k, v, mask))
 
 
-def _attention_fwd(q, k, v, mask):
-    """(B, H, m, d) output and the residuals (q, k, v, softmax weights) of the backward pass."""
-    score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
+def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """The rest of ``multi_head_attention`` from its scaled scores (B, H, m, n): (B, m, H*d)."""
+    return merge_heads(_weighted_values(score, v, mask)[0])
+
+
+def _weighted_values(score, v, mask):
+    """(softmax(masked score) @ v (B, H, m, d), the softmax weights)."""
     if mask is not None:
         score = jnp.where(mask[:, None], score, -jnp.inf)
     weights = jax.nn.softmax(score.astype(jnp.float32), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhmn,bhnd->bhmd", weights, v), (q, k, v, weights)
+    return jnp.einsum("bhmn,bhnd->bhmd", weights, v), weights
+
+
+def _attention_fwd(q, k, v, mask):
+    """(B, H, m, d) output and the residuals (q, k, v, softmax weights) of the backward pass."""
+    score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])).astype(q.dtype)
+    out, weights = _weighted_values(score, v, mask)
+    return out, (q, k, v, weights)
 
 
 def _attention_bwd(residuals, g):
