@@ -44,7 +44,9 @@ flags.DEFINE_enum("moe_dispatch", None, ["auto", "dense", "grouped", "sparse", "
                   "MoE execution strategy (default: the model's; auto = grouped on CPU, dense elsewhere).")
 flags.DEFINE_bool("fused_readout", None, "Fold the node embeddings into the decoder's combining projection "
                   "(default: the model's, on).")
-flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~1,600 trajectories "
+flags.DEFINE_bool("fused_query", None, "Precompute every possible decoder query's attention scores once per "
+                  "batch (default: the model's, on).")
+flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~800 trajectories "
                      "on CPU, the whole batch on accelerators).")
 FLAGS = flags.FLAGS
 

@@ -151,6 +151,7 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
             "moe_dispatch": cfg.dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
+            "fused_query": cfg.fused_query,
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
             "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,
             "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj))}
@@ -165,14 +166,18 @@ def default_replay(backend: str | None = None) -> tuple[int, bool]:
 
 
 def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
-                  replay_chunk: int | None = None, replay_remat: bool | None = None, **cfg_kw) -> dict:
-    """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py)."""
+                  replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
+                  **cfg_kw) -> dict:
+    """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
+    batches of ``problems`` (CVRP by default: the inference workload's variant, and the one the peers
+    train on; the decoding steps, hence the time, depend on the variant)."""
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()
     chunk = chunk if replay_chunk is None else replay_chunk
     remat = remat if replay_remat is None else replay_remat
-    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward)
+    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward,
+                                   problems=problems)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
@@ -237,6 +242,7 @@ def main():
                    help="instances decoded at once in inference (default: rollout.default_chunk_size)")
     p.add_argument("--dispatch", default=None, help="MoE execution: auto | dense | grouped | sparse | einsum")
     p.add_argument("--fused_readout", default=None, choices=["true", "false"])
+    p.add_argument("--fused_query", default=None, choices=["true", "false"])
     p.add_argument("--compute_dtype", default=None, help="float32 | bfloat16")
     p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
                    help="training: how the gradient is taken (config.backward; auto = stepwise on CPU)")
@@ -255,6 +261,8 @@ def main():
         kw["compute_dtype"] = args.compute_dtype
     if args.fused_readout:
         kw["fused_readout"] = args.fused_readout == "true"
+    if args.fused_query:
+        kw["fused_query"] = args.fused_query == "true"
     if args.torch:
         import torch_peer
         if not torch_peer.rl4co_available():

@@ -26,8 +26,11 @@ from mvmoe_jax import training, training_loop  # noqa: E402
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
-            max_compile_steps: int = 6, backward: str = "auto") -> dict:
+            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None) -> dict:
+    """``problems``: the training variants (comma list; default: the config's)."""
     config = importlib.import_module(f"configs.{config_name}").get_config()
+    if problems:
+        config.train_problems = problems
     config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
     config.backward = backward
@@ -39,7 +42,7 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     init_s = time.perf_counter() - t0
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
 
-    seen, compile_s, timed, lengths = set(), init_s, [], []
+    seen, compile_s, timed, lengths, steps_needed = set(), init_s, [], [], []
     key = jax.random.key(config.seed)
     step = 0
     while len(timed) < steps and step < steps + max_compile_steps:
@@ -47,7 +50,8 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
         t0 = time.perf_counter()
         inst = fns.batch(k_data, batch)
         traj = fns.sample(state.params, inst, k_roll)
-        length = fns.replay_length(int(traj.num_steps))
+        needed = int(traj.num_steps)
+        length = fns.replay_length(needed)
         t1 = time.perf_counter()
         state, m = fns.update(state, inst, traj, k_roll, length)
         m = jax.device_get(m)
@@ -61,14 +65,15 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
         else:
             timed.append((t1 - t0, t2 - t1))
             lengths.append(length)
+            steps_needed.append(needed)
         step += 1
     sample_s = float(np.mean([a for a, _ in timed])) if timed else float("nan")
     update_s = float(np.mean([b for _, b in timed])) if timed else float("nan")
     step_s = sample_s + update_s
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
-            "pomo": pomo, "batch": batch, "backward": "replay" if fns.replays else "stepwise",
+            "pomo": pomo, "batch": batch, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
             "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
-            "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
+            "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
             "compile_seconds": compile_s, "compiled_lengths": sorted(seen)}
 
@@ -80,6 +85,7 @@ def main():
     p.add_argument("--pomo", type=int, default=0, help="POMO starts; 0 = n")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after compilation)")
+    p.add_argument("--problems", default="", help="training variants, comma list (default: the config's)")
     p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
                    help="how gradients are taken (config.backward)")
     p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
@@ -92,7 +98,7 @@ def main():
     rows = []
     for name in args.configs.split(","):
         row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
-                      backward=args.backward)
+                      backward=args.backward, problems=args.problems or None)
         rows.append(row)
         print(f"{name}: {row['instances_per_second']:.1f} instances/s ({row['step_seconds']:.2f} s/step: sample "
               f"{row['sample_seconds']:.2f} + update {row['update_seconds']:.2f}; compile "

@@ -31,7 +31,7 @@ def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
 
 def with_execution_flags(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
     """The policy with the execution choices given on the command line (matmul dtype, MoE execution,
-    readout fusion); these change speed, not the model (bfloat16 changes rounding)."""
+    readout and query fusions); these change speed, not the model (bfloat16 changes rounding)."""
     changes = {}
     if getattr(flags, "compute_dtype", None):
         changes["compute_dtype"] = flags.compute_dtype
@@ -39,6 +39,8 @@ def with_execution_flags(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
         changes["moe_dispatch"] = flags.moe_dispatch
     if getattr(flags, "fused_readout", None) is not None:
         changes["fused_readout"] = bool(flags.fused_readout)
+    if getattr(flags, "fused_query", None) is not None:
+        changes["fused_query"] = bool(flags.fused_query)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
