@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import pathlib
 import subprocess
@@ -59,6 +58,8 @@ import time
 import types
 
 import numpy as np
+
+import peer_cli  # benchmarks/peer_cli.py (this folder is on sys.path when run or imported)
 
 MODELS = ("pomo_mtl", "mvmoe", "mvmoe_light")
 AUTHORS_CLASSES = {"pomo_mtl": "MTLModel", "mvmoe": "MOEModel", "mvmoe_light": "MOEModel_Light"}
@@ -109,6 +110,14 @@ def _load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def _conditions(authors, load_before: float | None) -> dict:
+    """Under what a figure was taken: torch version and threads, load averages, the authors' checkout."""
+    torch = authors.torch
+    return {"torch_version": torch.__version__, "threads": torch.get_num_threads(),
+            "load_average_before": load_before, "load_average_after": _load_average(),
+            "authors_code": str(authors.path), "authors_commit": authors.commit}
 
 
 def _import_authors(code_path) -> types.SimpleNamespace:
@@ -307,12 +316,7 @@ def authors_infer(model: str, locs: np.ndarray, demand: np.ndarray, code_path, a
         "feasible": feasible and objective_error < 1e-3,
         "objective_recheck_max_abs_error": objective_error,
         "rollout_grad": "off (inference_mode)" if no_grad_rollout else "on, as in their Tester",
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "load_average_before": load_before,
-        "load_average_after": _load_average(),
-        "authors_code": str(authors.path),
-        "authors_commit": authors.commit,
+        **_conditions(authors, load_before),
     }
 
 
@@ -370,12 +374,7 @@ def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, 
         "num_params": sum(p.numel() for p in net.parameters()),
         "optimizer": f"{type(optimizer).__name__}(lr={optimizer.defaults['lr']}, "
                      f"weight_decay={optimizer.defaults['weight_decay']})",
-        "torch_version": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "load_average_before": load_before,
-        "load_average_after": _load_average(),
-        "authors_code": str(authors.path),
-        "authors_commit": authors.commit,
+        **_conditions(authors, load_before),
     }
 
 
@@ -406,21 +405,13 @@ def main(argv=None) -> dict:
     except ValueError as e:
         parser.error(str(e))
     if args.mode == "infer":
-        import jax
-        from mvmoe_jax import instances
-        inst = instances.generate(jax.random.key(args.seed), args.batch, args.size, "CVRP")
-        result = authors_infer(args.model, np.asarray(inst.locs), np.asarray(inst.demand), args.code,
-                               aug=args.aug, repeats=args.repeats, weights=args.weights, threads=args.threads,
-                               no_grad_rollout=args.no_grad_rollout)
+        locs, demand = peer_cli.cvrp_workload(args.seed, args.batch, args.size)
+        result = authors_infer(args.model, locs, demand, args.code, aug=args.aug, repeats=args.repeats,
+                               weights=args.weights, threads=args.threads, no_grad_rollout=args.no_grad_rollout)
     else:
         result = authors_train(args.model, args.size, args.batch, args.code, steps=args.steps,
                                threads=args.threads, seed=args.seed)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return result
+    return peer_cli.emit(result, args.output)
 
 
 if __name__ == "__main__":

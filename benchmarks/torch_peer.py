@@ -23,12 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import time
 import warnings
 
 import numpy as np
+
+import peer_cli  # benchmarks/peer_cli.py (this folder is on sys.path when run or imported)
 
 MODELS = ("pomo_mtl", "mvmoe", "mvmoe_light")
 INSTALL_HINT = "PyTorch/RL4CO are not installed: pip install -e '.[torch]'  (needs torch and rl4co==0.7.0)"
@@ -282,19 +283,11 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     if args.mode == "infer":
-        import jax
-        from mvmoe_jax import instances
-        inst = instances.generate(jax.random.key(args.seed), args.batch, args.size, "CVRP")
-        result = torch_infer(args.model, np.asarray(inst.locs), np.asarray(inst.demand), aug=args.aug,
-                             repeats=args.repeats, threads=args.threads)
+        locs, demand = peer_cli.cvrp_workload(args.seed, args.batch, args.size)
+        result = torch_infer(args.model, locs, demand, aug=args.aug, repeats=args.repeats, threads=args.threads)
     else:
         result = torch_train(args.model, args.size, args.batch, steps=args.steps, threads=args.threads)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    return result
+    return peer_cli.emit(result, args.output)
 
 
 if __name__ == "__main__":
