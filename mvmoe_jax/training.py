@@ -172,11 +172,9 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     # Step 0 first, forward only: it yields MVMoE-L's gate probabilities for the others (zeros elsewhere).
     (_, gate_probs), step0_vjp, (ll, aux_dec) = jax.vjp(
         lambda p, c: step_objective(0, p, c, None), params, cache, has_aux=True)
-    if gate_probs is None:
+    hierarchical = gate_probs is not None
+    if not hierarchical:
         gate_probs = jnp.zeros((2,), jnp.float32)
-        step0_vjp_cotangent = lambda g: (jnp.float32(1.0), None)   # noqa: E731
-    else:
-        step0_vjp_cotangent = lambda g: (jnp.float32(1.0), g)      # noqa: E731
 
     def body(carry):
         t, g_params, g_cache, g_gate, ll, aux = carry
@@ -189,7 +187,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     zeros = partial(jax.tree.map, jnp.zeros_like)
     carry = (jnp.int32(1), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux_dec)
     _, g_params, g_cache, g_gate, ll, aux_dec = jax.lax.while_loop(lambda c: c[0] < traj.num_steps, body, carry)
-    dp, dc = step0_vjp(step0_vjp_cotangent(g_gate))
+    dp, dc = step0_vjp((jnp.float32(1.0), g_gate if hierarchical else None))
     (de,) = encoder_vjp((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
     grads = jax.tree.map(lambda a, b, c: a + b + c, g_params, dp, de)
     return grads, ll, aux_enc + aux_dec
