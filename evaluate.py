@@ -41,7 +41,7 @@ flags.DEFINE_integer("seed", 0, "Seed (MVMoE-L samples its dense-or-sparse gate 
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Matmul input dtype (default: the model's).")
 flags.DEFINE_enum("moe_dispatch", None, ["auto", "dense", "grouped", "sparse", "einsum"],
-                  "MoE execution strategy (default: the model's; auto = grouped on CPU, dense elsewhere).")
+                  "MoE execution strategy (default: the model's; auto = dense).")
 flags.DEFINE_bool("fused_readout", None, "Fold the node embeddings into the decoder's combining projection "
                   "(default: the model's, on).")
 flags.DEFINE_bool("fused_query", None, "Precompute every possible decoder query's attention scores once per "

@@ -373,9 +373,10 @@ def test_sparse_einsum_and_grouped_equal_dense_when_nothing_dropped(routing, lev
 
 
 @pytest.mark.parametrize("expert_type", ["mlp", "linear"])
-def test_grouped_execution_across_blocks_values_and_gradients(expert_type):
+def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
     """Hundreds of units over several blocks per expert, some assignments inactive: the grouped execution
-    gives the dense result and the same gradients."""
+    and the side-by-side one (experts concatenated, gates inside the second matmul) give the per-expert
+    dense result and the same gradients."""
     rng = np.random.default_rng(5)
     params = {"w1": rng.standard_normal((4, 8, 16)).astype(np.float32) / 3,
               "b1": rng.standard_normal((4, 16)).astype(np.float32),
@@ -396,11 +397,20 @@ def test_grouped_execution_across_blocks_values_and_gradients(expert_type):
     def grouped(p, x):
         return M.grouped_experts_forward(p, x, index, weights, active, block=32)
 
-    np.testing.assert_allclose(grouped(params, units), dense(params, units), rtol=1e-5, atol=1e-5)
+    def side_by_side(p, x):
+        gates = jnp.einsum("uk,uke->ue", jnp.where(active, weights, 0.0), jax.nn.one_hot(index, 4))
+        return M.gated_experts_forward(p, x[:, 0], gates)[:, None]
+
+    # An independent float64 recomputation: sum over experts of gate * expert(x).
+    gates64 = np.einsum("uk,uke->ue", np.where(active, weights, 0.0), np.eye(4)[np.asarray(index)])
+    expected = np.einsum("ue,euo->uo", gates64, np_experts({f"experts_{k}": v for k, v in params.items()},
+                                                           np.asarray(units[:, 0], np.float64)))[:, None]
     g_dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1))(params, units)
-    g_grouped = jax.grad(lambda p, x: jnp.sum(jnp.sin(grouped(p, x))), argnums=(0, 1))(params, units)
-    for a, b in zip(jax.tree.leaves(g_grouped), jax.tree.leaves(g_dense)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for execution in (grouped, side_by_side):
+        np.testing.assert_allclose(execution(params, units), expected, rtol=1e-5, atol=1e-5)
+        g = jax.grad(lambda p, x: jnp.sum(jnp.sin(execution(p, x))), argnums=(0, 1))(params, units)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_gates_only_returns_the_gate_matrix_the_layer_mixes_with():

@@ -97,15 +97,16 @@ Execution strategies (``dispatch``; input choice, random and expert choice)
 ---------------------------------------------------------------------------
 * ``'dense'`` (default): every expert runs on every unit and the outputs are mixed with the dense gate
   matrix. No token is ever dropped. As cheap as a no-drop sparse dispatch (capacity = units means E*units
-  expert evaluations either way) and the closest to the reference numerics.
+  expert evaluations either way). For token choice the experts run side by side, weighted inside the
+  second matmul (``gated_experts_forward``), which on CPU beats running only the chosen experts.
 * ``'sparse'``: GShard-style fixed-capacity expert buffers (E, C, ...), filled by scatter and read back
   by gather (memory O(E*C*d + units*k)). Assignments beyond an expert's capacity are dropped (zero
   output from that expert). Priority: all first choices (in unit order) before all second choices, etc.
 * ``'grouped'``: only the chosen experts run, and nothing is dropped: the (unit, expert) assignments are
   sorted by expert into blocks of ``GROUP_BLOCK`` units, each block runs through its expert's weights
   (a batched matmul over blocks), and the weighted outputs are summed back per unit
-  (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert;
-  on CPU the fastest for MLP experts. Token choice only; elsewhere it behaves as ``'sparse'``, and it
+  (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert,
+  but its small batched products run at a third of the matmul peak on CPU. Token choice only; elsewhere it behaves as ``'sparse'``, and it
   ignores ``capacity_factor``.
 * ``'einsum'``: the same routing expressed with Mesh-TensorFlow/GShard one-hot ``dispatch`` (units, E, C)
   and weighted ``combine`` (units, E, C) tensors (see ``dispatch_combine_tensors``). O(units*E*C) memory:
@@ -166,6 +167,8 @@ __all__ = [
     "assign_slots",
     "dispatch_combine_tensors",
     "experts_forward",
+    "gated_experts_forward",
+    "grouped_experts_forward",
     "torch_to_flax_moe",
     "torch_to_flax_dense_or_moe",
 ]
@@ -398,6 +401,46 @@ def experts_forward(params: Mapping[str, Array], x: Array, *, per_expert: bool, 
         hidden = jax.nn.relu(affine(first, x, params["w1"], params["b1"]))
         return affine("enh,eho->eno", hidden, params["w2"], params["b2"])
     return affine(first, x, params["w"], params["b"])
+
+
+def gated_experts_forward(params: Mapping[str, Array], x: Array, gates: Array, *, dtype=jnp.float32,
+                          precision: Any = None) -> Array:
+    """Every expert on every token, mixed by the gates, with the experts side by side in two matmuls.
+
+    ``sum_e gates[:, e] * expert_e(x)`` equals, for MLP experts, ``[gates_e * relu(x @ W1_e + b1_e)]_e @
+    [W2_e]_e + gates @ b2`` (hidden layers concatenated along features, (d, E*h) and (E*h, o)), and for
+    linear experts ``sum_e gates_e (x @ [W_e]_e)`` + ``gates @ b``. The dense execution's FLOPs, but as two
+    large plain matmuls instead of E small ones and an E-way mix: measured on a 2-core CPU, the encoder's
+    MLP-expert layer at 816 tokens ran in 5.5 ms this way, against 6.6 ms per expert and 7.6 ms grouped
+    (the grouped blocks' (128 x 128) @ (128 x 512) products reach ~60 GFLOP/s there).
+
+    Args:
+      params: stacked expert parameters (see ``experts_forward``), leading axis E.
+      x: (T, d) tokens. gates: (T, E) mixing weights (zero for experts a token did not choose).
+    Returns:
+      (T, o).
+    """
+    num_tokens = x.shape[0]
+    num_experts = gates.shape[-1]
+    x = x.astype(dtype)
+    g = gates.astype(jnp.float32)
+
+    def side_by_side(w):                                        # (E, d, h) -> (d, E*h)
+        return jnp.moveaxis(w, 0, 1).reshape(w.shape[1], -1).astype(dtype)
+
+    if "w1" in params:
+        hidden_dim = params["w1"].shape[-1]
+        hidden = jnp.matmul(x, side_by_side(params["w1"]), precision=precision,
+                            preferred_element_type=jnp.float32) + params["b1"].reshape(-1)
+        hidden = jax.nn.relu(hidden).reshape(num_tokens, num_experts, hidden_dim) * g[:, :, None]
+        out = jnp.matmul(hidden.reshape(num_tokens, -1).astype(dtype),
+                         params["w2"].reshape(-1, params["w2"].shape[-1]).astype(dtype), precision=precision,
+                         preferred_element_type=jnp.float32)
+        return out + jnp.matmul(g, params["b2"].astype(jnp.float32), precision=precision)
+    per_expert = jnp.matmul(x, side_by_side(params["w"]), precision=precision,
+                            preferred_element_type=jnp.float32).reshape(num_tokens, num_experts, -1)
+    return (jnp.einsum("te,teo->to", g, per_expert, precision=precision)
+            + jnp.matmul(g, params["b"].astype(jnp.float32), precision=precision))
 
 
 def grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_index: Array, weights: Array,
@@ -646,8 +689,10 @@ class MoE(nn.Module):
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)
 
         if self.dispatch == "dense":
-            expert_out = self._run_experts(params, units, per_expert=False)  # (E, U, R, o)
-            y = jnp.einsum("ue,euro->uro", gates.astype(expert_out.dtype), expert_out, precision=self.precision)
+            r = units.shape[1]
+            y = gated_experts_forward(params, units.reshape(num_units * r, -1), jnp.repeat(gates, r, axis=0),
+                                      dtype=self.dtype, precision=self.precision)
+            y = y.reshape(num_units, r, -1).astype(self.dtype)     # outputs in the compute dtype, as elsewhere
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         elif self.dispatch == "grouped":
             y = grouped_experts_forward(params, units, top_idx, top_gate, top_gate > 0,
