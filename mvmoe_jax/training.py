@@ -2,7 +2,8 @@
 
 How gradients flow through a rollout. ``rollout.rollout`` decodes under ``lax.while_loop``, which JAX
 cannot reverse-differentiate, and decoding 2n steps under a differentiable ``lax.scan`` would pay for the
-longest possible tour every time. A training step therefore runs in two jitted calls:
+longest possible tour every time. A training step therefore runs in two parts (two jitted calls, or with
+the stepwise backward one program, ``sample_and_train_step``, whose encoder pass serves both):
 
 1. ``sample_trajectories`` (no gradient): ``rollout.rollout(..., decode_type='sampling', train=True,
    record=True)``, the inference rollout, which also records what the decoder saw at every step (the
@@ -134,8 +135,22 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
     return ll.sum(0), aux_enc + aux.sum()
 
 
+def encoder_vjp(policy: Policy, params, inst: Instance, rng: jax.Array):
+    """``((cache, aux), vjp)``: the training-mode encoder and the decoder's precomputation without the
+    query fusion (see ``Policy.precompute``), as a function of ``params``, run under ``jax.vjp`` with the
+    encoder key a rollout from ``rng`` uses."""
+    k_enc, _ = decoding_keys(rng, 1)
+
+    def encoder(p):
+        emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
+        return policy.apply(p, emb, False, method=Policy.precompute), aux
+
+    return jax.vjp(encoder, params)
+
+
 def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array,
-                       ll_weight: jax.Array, aux_weight: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+                       ll_weight: jax.Array, aux_weight: jax.Array, encoded=None
+                       ) -> tuple[Any, jax.Array, jax.Array]:
     """Gradient in ``params`` of ``sum(ll_weight * log_likelihood) + aux_weight * aux`` over the recorded
     trajectories, taken one decoding step at a time: (gradient, log-likelihood (B, P), aux ()).
 
@@ -149,15 +164,11 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     summed over steps 1.. and passed back through step 0, which runs last.
 
     ll_weight: (B, P) d loss / d log-likelihood; aux_weight: () d loss / d aux. ``rng`` is the key the
-    trajectories were sampled with. jit-compatible (``policy`` static).
+    trajectories were sampled with. ``encoded``: ``encoder_vjp(policy, params, inst, rng)`` when the caller
+    already ran it (``sample_and_train_step``). jit-compatible (``policy`` static).
     """
-    k_enc, keys = decoding_keys(rng, traj.masks.shape[0])
-
-    def encoder(p):
-        emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-        return policy.apply(p, emb, False, method=Policy.precompute), aux      # no query fusion: see precompute
-
-    (cache, aux_enc), encoder_vjp = jax.vjp(encoder, params)
+    _, keys = decoding_keys(rng, traj.masks.shape[0])
+    (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
 
     def step_objective(t, p, c, gate_probs):
         """(weighted log-probability of step t's action + weighted aux, gate probs), (picked, aux_t)."""
@@ -188,7 +199,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     carry = (jnp.int32(1), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux_dec)
     _, g_params, g_cache, g_gate, ll, aux_dec = jax.lax.while_loop(lambda c: c[0] < traj.num_steps, body, carry)
     dp, dc = step0_vjp((jnp.float32(1.0), g_gate if hierarchical else None))
-    (de,) = encoder_vjp((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
+    (de,) = backward_encoder((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
     grads = jax.tree.map(lambda a, b, c: a + b + c, g_params, dp, de)
     return grads, ll, aux_enc + aux_dec
 
@@ -299,10 +310,11 @@ class StepSettings:
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
-               inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int
+               inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int, encoded=None
                ) -> tuple[TrainState, dict]:
     """One optimiser step on sampled trajectories. A non-finite loss or gradient leaves the state as it
-    was (``metrics['finite']`` is False) so the caller can stop with the last good parameters."""
+    was (``metrics['finite']`` is False) so the caller can stop with the last good parameters.
+    ``encoded``: the stepwise backward's encoder pass, when the caller already ran it."""
 
     def loss_of(ll, aux):
         return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
@@ -311,7 +323,8 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
         # The loss is linear in (ll, aux): its partial derivatives weigh the per-step gradients.
         ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
             traj.log_likelihood, traj.aux_loss)
-        grads, ll, aux = stepwise_gradients(policy, state.params, inst, traj, rng, ll_weight, aux_weight)
+        grads, ll, aux = stepwise_gradients(policy, state.params, inst, traj, rng, ll_weight, aux_weight,
+                                            encoded=encoded)
         loss, pg = loss_of(ll, aux)
     else:
         def loss_fn(params):
@@ -330,8 +343,27 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     best = jnp.where(traj.valid, traj.cost, jnp.inf).min(-1)
     replay_error = jnp.max(jnp.abs(jnp.where(traj.valid, ll - traj.log_likelihood, 0.0)))
     metrics = {"loss": loss, "pg_loss": pg, "aux_loss": aux, "grad_norm": grad_norm, "score": best.mean(),
-               "finite": finite, "replay_error": replay_error}
+               "finite": finite, "replay_error": replay_error, "decode_steps": traj.num_steps}
     return new, metrics
+
+
+def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
+                          state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int
+                          ) -> tuple[TrainState, dict]:
+    """Sampling and the stepwise update in one program, with one encoder pass for both: the encoder runs
+    once under ``jax.vjp`` (``encoder_vjp``), the rollout samples from its cache (plus the query fusion,
+    computed from it without gradient), and the backward pass reuses the same vjp. Saves the encoder
+    forward that ``sample_trajectories`` followed by ``train_step`` pay twice. Same trajectories and
+    update as those two calls (the same keys), up to float rounding."""
+    (cache, aux_enc), backward_encoder = encoder_vjp(policy, state.params, inst, rng)
+    sampling_cache = cache
+    if policy.cfg.fused_query:
+        sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores)
+    sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
+    traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
+                   train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux))
+    return train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
+                      encoded=((cache, aux_enc), backward_encoder))
 
 
 class StepFunctions:
@@ -339,8 +371,9 @@ class StepFunctions:
     and optimiser state replicated). With a one-device mesh this is the plain single-device step.
 
     ``batch(key, size)`` -> Instance; ``sample(params, inst, rng)`` -> RolloutOutput (recorded);
-    ``update(state, inst, traj, rng, num_steps)`` -> (state, metrics); ``step(state, key, size)`` runs
-    all three for one batch drawn from ``key``.
+    ``update(state, inst, traj, rng, num_steps)`` -> (state, metrics); ``sample_and_update(state, inst,
+    rng)`` (stepwise backward) the last two as one program; ``step(state, key, size)`` runs a whole step for
+    one batch drawn from ``key``.
     """
 
     def __init__(self, cfg: PolicyConfig, tx: optax.GradientTransformation | OptimizerSettings,
@@ -367,6 +400,9 @@ class StepFunctions:
                                out_shardings=trajectory_shardings(mesh))
         self._update = jax.jit(partial(train_step, self.policy, tx, settings), static_argnames="num_steps",
                                out_shardings=(self.replicated, self.replicated))
+        self._sample_and_update = jax.jit(
+            partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps),
+            out_shardings=(self.replicated, self.replicated))
 
     @classmethod
     @functools.lru_cache(maxsize=8)
@@ -411,10 +447,20 @@ class StepFunctions:
             num_steps = self.replay_length(int(traj.num_steps))
         return self._update(state, jax.device_put(inst, self.batch_sharding), traj, rng, num_steps=num_steps)
 
+    def sample_and_update(self, state: TrainState, inst: Instance, rng: jax.Array) -> tuple[TrainState, dict]:
+        """``sample`` then ``update`` as one program sharing the encoder pass (stepwise backward only; see
+        ``sample_and_train_step``)."""
+        if self.replays:
+            raise ValueError("sample_and_update needs the stepwise backward; the replay compiles per length")
+        self.check_batch_size(inst.locs.shape[0])
+        return self._sample_and_update(state, jax.device_put(inst, self.batch_sharding), rng)
+
     def step(self, state: TrainState, key: jax.Array, size: int) -> tuple[TrainState, dict]:
         """A whole training step on a fresh batch drawn from ``key`` (deterministic in ``key``)."""
         k_data, k_roll = jax.random.split(key)
         inst = self.batch(k_data, size)
+        if not self.replays:
+            return self.sample_and_update(state, inst, k_roll)
         traj = self.sample(state.params, inst, k_roll)
         return self.update(state, inst, traj, k_roll)
 

@@ -123,18 +123,30 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model):
 
 def test_stepwise_and_replay_updates_agree_and_bad_backward_is_rejected(tmp_path):
     """train.py's two backward settings take the same optimiser step (the stepwise one without a replay
-    length), and an unknown setting is refused with the accepted values."""
+    length), the stepwise one also as a single program sharing the encoder pass (what ``step`` runs), and
+    an unknown setting is refused with the accepted values."""
     base = tiny_config(tmp_path)
     inst, rng = mixed_batch(), jax.random.key(5)
-    results = {}
+    results, params = {}, {}
     for backward in ("stepwise", "replay"):
         fns, plan = loop_functions(tiny_config(tmp_path, backward=backward))
         assert fns.replays == (backward == "replay")
         state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
         traj = fns.sample(state.params, inst, rng)
-        results[backward] = jax.device_get(fns.update(state, inst, traj, rng)[1])
-    for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "score"):
-        assert results["stepwise"][k] == pytest.approx(results["replay"][k], rel=1e-4, abs=1e-7), k
+        new_state, results[backward] = jax.device_get(fns.update(state, inst, traj, rng))
+        params[backward] = new_state.params
+        if backward == "stepwise":
+            one_state, results["one program"] = jax.device_get(fns.sample_and_update(state, inst, rng))
+            params["one program"] = one_state.params
+            assert int(results["one program"]["decode_steps"]) == int(traj.num_steps)
+        else:
+            with pytest.raises(ValueError, match="stepwise"):
+                fns.sample_and_update(state, inst, rng)
+    for other in ("replay", "one program"):
+        for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "score"):
+            assert results[other][k] == pytest.approx(results["stepwise"][k], rel=1e-4, abs=1e-7), (other, k)
+    for a, b in zip(jax.tree.leaves(params["one program"]), jax.tree.leaves(params["stepwise"])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     base.backward = "reverse"
     with pytest.raises(ValueError, match="backward must be one of auto, stepwise, replay"):
         training_loop.check_config(base)

@@ -269,7 +269,7 @@ class Policy(nn.Module):
         if self.is_initializing():
             return cache        # initialisation goes through the plain path, which creates the params
         if cfg.fused_query and fuse_query:
-            cache = self._query_scores(cache)
+            cache = self.with_query_scores(cache)
         if not cfg.uses_fused_readout:
             return cache
         maps, biases = self._combine_maps()                                               # (M, D, D), (M, D)
@@ -278,8 +278,9 @@ class Policy(nn.Module):
         bias = jnp.einsum("mo,bno->bmn", biases.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
         return cache.replace(readout=readout, readout_bias=bias)
 
-    def _query_scores(self, cache: DecoderCache) -> DecoderCache:
-        """``cache`` with node_scores and feature_scores (see DecoderCache)."""
+    def with_query_scores(self, cache: DecoderCache) -> DecoderCache:
+        """``cache`` with node_scores and feature_scores (see DecoderCache): the query fusion added to a
+        cache that ``precompute(..., fuse_query=False)`` made."""
         cfg = self.cfg
         d = cfg.embedding_dim
         kernel = self.Wq_last.variables["params"]["kernel"].astype(cfg.dtype)             # (D + F, D)
