@@ -355,6 +355,8 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
     computed from it without gradient), and the backward pass reuses the same vjp. Saves the encoder
     forward that ``sample_trajectories`` followed by ``train_step`` pay twice. Same trajectories and
     update as those two calls (the same keys), up to float rounding."""
+    if settings.resolved_backward != "stepwise":
+        raise ValueError("sample_and_train_step needs the stepwise backward; the replay compiles per length")
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, state.params, inst, rng)
     sampling_cache = cache
     if policy.cfg.fused_query:
@@ -449,9 +451,7 @@ class StepFunctions:
 
     def sample_and_update(self, state: TrainState, inst: Instance, rng: jax.Array) -> tuple[TrainState, dict]:
         """``sample`` then ``update`` as one program sharing the encoder pass (stepwise backward only; see
-        ``sample_and_train_step``)."""
-        if self.replays:
-            raise ValueError("sample_and_update needs the stepwise backward; the replay compiles per length")
+        ``sample_and_train_step``, which refuses the replay)."""
         self.check_batch_size(inst.locs.shape[0])
         return self._sample_and_update(state, jax.device_put(inst, self.batch_sharding), rng)
 

@@ -106,8 +106,8 @@ Execution strategies (``dispatch``; input choice, random and expert choice)
   sorted by expert into blocks of ``GROUP_BLOCK`` units, each block runs through its expert's weights
   (a batched matmul over blocks), and the weighted outputs are summed back per unit
   (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert,
-  but its small batched products run at a third of the matmul peak on CPU. Token choice only; elsewhere it behaves as ``'sparse'``, and it
-  ignores ``capacity_factor``.
+  but its small batched products run at a third of the matmul peak on CPU. Token choice only; elsewhere
+  it behaves as ``'sparse'``, and it ignores ``capacity_factor``.
 * ``'einsum'``: the same routing expressed with Mesh-TensorFlow/GShard one-hot ``dispatch`` (units, E, C)
   and weighted ``combine`` (units, E, C) tensors (see ``dispatch_combine_tensors``). O(units*E*C) memory:
   for small inputs and for checking ``'sparse'``.

@@ -45,10 +45,11 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "auto"                # auto (dense, measured fastest on CPU) | dense (every expert,
-                                              # gate-weighted, side by side) | grouped (only the chosen experts, sorted
-                                              # into blocks) | sparse (capacity buffers, scatter/gather) |
-                                              # einsum (dispatch/combine tensors); see nn/moe.py
+    moe_dispatch: str = "auto"                # auto (= dense, measured fastest on CPU) | dense (every
+                                              # expert, side by side, gate-weighted) | grouped (only the
+                                              # chosen experts, sorted into blocks) | sparse (capacity
+                                              # buffers, scatter/gather) | einsum (dispatch/combine
+                                              # tensors); see nn/moe.py
     capacity_factor: float | None = None      # None: no token is ever dropped
     compute_dtype: str = "float32"            # float32 | bfloat16 (matmul inputs; params stay float32)
     fused_readout: bool = True                # fold the node embeddings into the decoder's combining
