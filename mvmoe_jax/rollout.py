@@ -120,7 +120,7 @@ def initial_states(inst: Instance, pomo_size: int) -> tuple[env.State, jax.Array
 def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_type: str = "greedy",
             rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None,
             record: bool = False, encoded: tuple[DecoderCache, jax.Array] | None = None,
-            gate_probs: jax.Array | None = None) -> RolloutOutput:
+            gate_probs: jax.Array | None = None, log_likelihood: bool = True) -> RolloutOutput:
     """Decode every start of every instance (batched Instance, B) until all finish.
 
     decode_type: 'greedy' (argmax) or 'sampling'. ``rng`` drives sampling, MoE gating noise in training
@@ -128,11 +128,15 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     ``decoding_keys``. ``record`` keeps the decoder's inputs for a replay (see RolloutOutput).
     ``encoded``: ``encode(policy, params, inst, rng, train)`` computed beforehand; ``gate_probs``: MVMoE-L's
     dense-or-MoE probabilities (2,) when they come from a larger batch than ``inst`` (see
-    ``greedy_evaluate``), else computed at the first step from this batch.
-    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record static).
+    ``greedy_evaluate``), else computed at the first step from this batch. ``log_likelihood=False``
+    (greedy only) skips the per-step log-softmax, which greedy choices do not need; the output's
+    log_likelihood is then zero.
+    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record, log_likelihood static).
     """
     if decode_type not in ("greedy", "sampling"):
         raise ValueError(f"decode_type must be 'greedy' or 'sampling', got {decode_type!r}")
+    if not log_likelihood and decode_type != "greedy":
+        raise ValueError("sampling needs the log-probabilities: log_likelihood=False is for greedy decoding")
     rng = jax.random.key(0) if rng is None else rng
     n = inst.locs.shape[-2] - 1
     steps = 2 * n if max_steps is None else max_steps      # a depot visit per customer at most
@@ -147,15 +151,18 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         mask = env.batch_action_mask(states)
         dyn = dynamic_features(states)
         logp, aux_t, gate_probs = policy.apply(
-            params, cache, states.current, dyn, mask, gate_probs, train,
+            params, cache, states.current, dyn, mask, gate_probs, train, log_likelihood,
             method=Policy.decode, rngs={"gating": k_gate})
         if decode_type == "greedy":
             action = jnp.argmax(logp, axis=-1).astype(jnp.int32)
         else:
             action = sample_actions(k_pick, logp)
-        chosen = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
-        # Finished trajectories only stay at the depot: no log-probability.
-        chosen = jnp.where(states.finished, 0.0, chosen)
+        if log_likelihood:
+            chosen = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
+            # Finished trajectories only stay at the depot: no log-probability.
+            chosen = jnp.where(states.finished, 0.0, chosen)
+        else:
+            chosen = jnp.zeros(action.shape, jnp.float32)
         record_t = (mask, dyn, ~states.finished)
         return env.batch_step(states, action), action, chosen, aux_t, gate_probs, record_t
 
@@ -238,7 +245,8 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     num_chunks = -(-m // chunk)
     idx = jnp.concatenate([jnp.arange(m), jnp.zeros(num_chunks * chunk - m, jnp.int32)])
     chunks = jax.tree.map(lambda x: x[idx].reshape((num_chunks, chunk) + x.shape[1:]), inst)
-    decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng)
+    decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng,
+                     log_likelihood=False)
 
     if policy.cfg.hierarchical:
         real = (jnp.arange(num_chunks * chunk) < m).reshape(num_chunks, chunk)
@@ -299,7 +307,8 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     chunk = effective_chunk_size(chunk_size, pomo_size, flat)
     policy = Policy(cfg)
     if chunk == m:
-        out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng)
+        out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng,
+                      log_likelihood=False)
         chunk_steps = out.num_steps[None]
     else:
         out, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk)

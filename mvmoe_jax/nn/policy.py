@@ -308,13 +308,15 @@ class Policy(nn.Module):
         return params["kernel"][None], params["bias"][None]
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
-               gate_probs: jax.Array | None = None, train: bool = False):
+               gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True):
         """One decoding step for every (instance, start).
 
         current int (B, P); dynamic (B, P, 4) = (load, time, length, open); mask bool (B, P, N).
         gate_probs: MVMoE-L's dense-or-sparse probabilities (2,), None at the first decoding step
         (they are computed there, from the batch mean, and reused for the whole rollout).
         Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs.
+        ``normalise=False`` returns the clipped logits instead of their log-softmax (same argmax, same
+        -inf): all that greedy decoding needs when the log-likelihood is not wanted.
         """
         cfg = self.cfg
         attn = self.decoder_attention(cache, current, dynamic, mask)                       # (B, P, D)
@@ -324,7 +326,7 @@ class Policy(nn.Module):
             score, aux, gate_probs = self._scores(cache, attn, train, gate_probs)
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
         score = jnp.where(mask, score, -jnp.inf)
-        return jax.nn.log_softmax(score, axis=-1), aux, gate_probs
+        return (jax.nn.log_softmax(score, axis=-1) if normalise else score), aux, gate_probs
 
     def _scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
         """Unclipped single-head scores (B, P, N): the combining projection, then dot products."""
