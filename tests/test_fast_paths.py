@@ -107,3 +107,37 @@ def test_grouped_and_dense_dispatch_agree_in_the_policy():
     np.testing.assert_allclose(a.obj, b.obj, rtol=1e-5)
     with pytest.raises(ValueError, match="moe_dispatch"):
         PolicyConfig(moe_dispatch="fast")
+
+
+def test_first_argmax_agrees_with_argmax_on_ties_and_masked_nodes():
+    """Greedy choices use ``first_argmax``: the first maximum, like ``jnp.argmax``, with -inf (masked) entries."""
+    x = jnp.array([[1.0, 3.0, 3.0, -jnp.inf], [-jnp.inf, -jnp.inf, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0],
+                   [-jnp.inf, -jnp.inf, -jnp.inf, 5.0]])
+    np.testing.assert_array_equal(rollout.first_argmax(x), [1, 2, 0, 3])
+    rand = jnp.round(jax.random.normal(jax.random.key(0), (6, 40, 21)) * 2)    # rounding makes ties common
+    rand = jnp.where(jax.random.uniform(jax.random.key(1), rand.shape) < 0.3, -jnp.inf, rand)
+    np.testing.assert_array_equal(rollout.first_argmax(rand), jnp.argmax(rand, axis=-1))
+    assert rollout.first_argmax(rand).dtype == jnp.int32
+
+
+def test_greedy_rollout_without_log_likelihood_decodes_the_same_tours():
+    """``log_likelihood=False`` skips only the log-softmax: same actions and costs; refused for sampling."""
+    cfg = small_config("mvmoe")
+    params, inst = perturbed_params(cfg), mixed_batch(4)
+    policy = Policy(cfg)
+    run = jax.jit(lambda p, i, ll: rollout.rollout(policy, p, i, pomo_size=N, log_likelihood=ll),
+                  static_argnums=2)
+    full, fast = run(params, inst, True), run(params, inst, False)
+    np.testing.assert_array_equal(full.actions, fast.actions)
+    np.testing.assert_array_equal(full.cost, fast.cost)
+    assert np.all(np.asarray(full.log_likelihood)[np.asarray(full.valid)] < 0)
+    assert np.all(np.asarray(fast.log_likelihood) == 0)
+    with pytest.raises(ValueError, match="sampling needs the log-probabilities"):
+        rollout.rollout(policy, params, inst, pomo_size=N, decode_type="sampling", log_likelihood=False)
+
+
+@pytest.mark.parametrize("nodes,maps,padded", [(51, (1,), 64), (51, (4,), 52), (51, (1, 4), 64), (21, (5,), 32),
+                                               (64, (1,), 64)])
+def test_readout_padding_makes_16_column_products(nodes, maps, padded):
+    from mvmoe_jax.nn.policy import padded_readout_nodes
+    assert padded_readout_nodes(nodes, maps) == padded
