@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import numpy as np
+
+import machine  # benchmarks/machine.py (this folder is sys.path[0] when run)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mvmoe-paper")
@@ -244,7 +245,7 @@ def main() -> None:
     if not args.report_only:
         import importlib.metadata as md
 
-        results["meta"] = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        results["meta"] = {"machine": f"{machine.cpu_model()}, {os.cpu_count()} CPUs",
                            "ortools": md.version("ortools"), "pyvrp": md.version("pyvrp")}
         if args.part == "ortools":
             run_ortools(args, results, json_path)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+import machine  # benchmarks/machine.py (this folder is sys.path[0] when run)
 from mvmoe_jax import env, instances, problems
 
 
@@ -67,7 +67,7 @@ def main():
                    help="';'-separated variant specs, each one name or a comma list / ALL / TRAIN (mixed)")
     p.add_argument("--output", default="benchmarks/results/env_throughput.json")
     args = p.parse_args()
-    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, {platform.processor() or platform.machine()})"
+    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, {machine.cpu_model()})"
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         for spec in args.variants.split(";"):

@@ -38,28 +38,17 @@ import numpy as np
 from mvmoe_jax import checkpoints, env, instances, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402  (benchmarks/machine.py)
 import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 MODELS = {"pomo_mtl": "POMO-MTL", "mvmoe": "MVMoE/4E", "mvmoe_light": "MVMoE/4E-L"}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere what ``platform`` knows), or 'unknown'."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def device_description() -> str:
     d = jax.devices()[0]
     if d.platform == "cpu":
-        return f"cpu: {os.cpu_count()} cores {platform.machine()} ({cpu_model()})"
+        return f"cpu: {os.cpu_count()} cores {platform.machine()} ({machine.cpu_model()})"
     return f"{d.platform}: {d.device_kind}"
 
 

@@ -14,7 +14,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 import time
 
@@ -23,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
 from mvmoe_jax import training, training_loop  # noqa: E402
+import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
@@ -108,7 +108,7 @@ def main():
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
     args = p.parse_args()
     device = (f"{jax.devices()[0].device_kind} x{len(jax.devices())} ({jax.default_backend()}, {os.cpu_count()} "
-              f"cpus, {platform.processor() or platform.machine()})")
+              f"cpus, {machine.cpu_model()})")
     load_before = os.getloadavg()
     rows = []
     for name in args.configs.split(","):

@@ -379,9 +379,10 @@ class Policy(nn.Module):
             per_map = jnp.einsum("bpd,bdx->bpx", x, readout.reshape(b, d, m * n).astype(cfg.dtype),
                                  preferred_element_type=jnp.float32).reshape(x.shape[:2] + (m, n))
             if weights is None:
-                return (per_map[:, :, 0] + bias[:, None, 0])[..., :num_nodes]
-            score = jnp.einsum("bpm,bpmn->bpn", weights.astype(jnp.float32), per_map + bias[:, None])
-            return score[..., :num_nodes]
+                score = per_map[:, :, 0] + bias[:, None, 0]
+            else:
+                score = jnp.einsum("bpm,bpmn->bpn", weights.astype(jnp.float32), per_map + bias[:, None])
+            return score[..., :num_nodes]          # the readout's padding columns dropped
 
         num_maps = cache.readout.shape[2]
         if cfg.hierarchical:
