@@ -321,15 +321,16 @@ def authors_infer(model: str, locs: np.ndarray, demand: np.ndarray, code_path, a
 
 
 def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, threads: int | None = None,
-                  seed: int = 0) -> dict:
-    """Full REINFORCE/POMO optimiser steps of the authors' Trainer on fresh CVRP batches of their generator."""
+                  seed: int = 0, weights: str | None = "random") -> dict:
+    """Full REINFORCE/POMO optimiser steps of the authors' Trainer on fresh CVRP batches of their generator,
+    from ``weights`` (see ``build_model``; random initialisation by default)."""
     if size not in TRAIN_SIZES:
         raise ValueError(f"the authors' CVRP generator knows sizes {TRAIN_SIZES}, not {size}")
     authors = _import_authors(code_path)
     torch = authors.torch
     if threads is not None:
         torch.set_num_threads(int(threads))
-    net, params, weights_desc = build_model(authors, model, "random", seed=seed)
+    net, params, weights_desc = build_model(authors, model, weights, seed=seed)
     optimizer = authors.Optimizer(net.parameters(), lr=1e-4, weight_decay=1e-6)
     trainer = types.SimpleNamespace(model=net, model_params=params, optimizer=optimizer,
                                     device=torch.device("cpu"))
@@ -391,8 +392,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--weights", default=None,
-                        help="infer: a checkpoint in the authors' format, or 'random' (default: the fixture "
-                             "of ../shared when present, else random)")
+                        help="a checkpoint in the authors' format, or 'random' (default: infer the fixture of "
+                             "../shared when present, else random; train random)")
     parser.add_argument("--no-grad-rollout", action="store_true",
                         help="infer: decode under torch.inference_mode (their Tester keeps autograd on)")
     parser.add_argument("--seed", type=int, default=1,
@@ -410,7 +411,7 @@ def main(argv=None) -> dict:
                                weights=args.weights, threads=args.threads, no_grad_rollout=args.no_grad_rollout)
     else:
         result = authors_train(args.model, args.size, args.batch, args.code, steps=args.steps,
-                               threads=args.threads, seed=args.seed)
+                               threads=args.threads, seed=args.seed, weights=args.weights or "random")
     return peer_cli.emit(result, args.output)
 
 

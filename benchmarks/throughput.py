@@ -86,6 +86,16 @@ FIXTURE_CHECKPOINTS = {"pomo_mtl": "mtl_n20_fixture.pt", "mvmoe": "moe_n20_fixtu
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def weights_path(model: str, weights: str) -> str | None:
+    """The checkpoint that ``weights`` names for ``model`` ('auto': the reference fixture of
+    ``shared/fixtures`` when present), None for random initialisation."""
+    if weights == "auto":
+        candidate = os.path.join(os.path.dirname(REPO_ROOT), "shared", "fixtures", "torch-reference",
+                                 "checkpoints", FIXTURE_CHECKPOINTS[model])
+        return candidate if os.path.exists(candidate) else None
+    return None if weights == "random" else weights
+
+
 def load_weights(model: str, size: int, weights: str, **cfg_kw) -> tuple[PolicyConfig, dict, str]:
     """(config, params, description). ``weights``: 'random' (initialisation, seed 0), 'auto' (the briefly
     trained reference checkpoint of ``shared/fixtures`` when present, else random), or a checkpoint path.
@@ -93,13 +103,7 @@ def load_weights(model: str, size: int, weights: str, **cfg_kw) -> tuple[PolicyC
     Trained weights matter: an untrained policy returns to the depot often, so greedy decoding needs up to
     2n steps (99 at n = 50) where a trained one needs ~64.
     """
-    path = None
-    if weights == "auto":
-        candidate = os.path.join(os.path.dirname(REPO_ROOT), "shared", "fixtures", "torch-reference",
-                                 "checkpoints", FIXTURE_CHECKPOINTS[model])
-        path = candidate if os.path.exists(candidate) else None
-    elif weights != "random":
-        path = weights
+    path = weights_path(model, weights)
     if path is None:
         cfg = PolicyConfig(model=model, **cfg_kw)
         return cfg, training.init_params(cfg, jax.random.key(0), size), "random initialisation (seed 0)"
@@ -168,17 +172,18 @@ def default_replay(backend: str | None = None) -> tuple[int, bool]:
 
 def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
                   replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
-                  **cfg_kw) -> dict:
+                  weights: str = "auto", **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
     batches of ``problems`` (CVRP by default: the inference workload's variant, and the one the peers
-    train on; the decoding steps, hence the time, depend on the variant)."""
+    train on; the decoding steps, hence the time, depend on the variant), from the parameters ``weights``
+    names (see ``weights_path``; the authors' code starts from the same ones)."""
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()
     chunk = chunk if replay_chunk is None else replay_chunk
     remat = remat if replay_remat is None else replay_remat
     row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward,
-                                   problems=problems)
+                                   problems=problems, weights=weights_path(model, weights))
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
@@ -199,7 +204,8 @@ def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_t
     for _ in range(rounds):
         ours.append((measure_infer if mode == "infer" else measure_train)(model, size, batch, **kw))
         if authors_code:
-            theirs.append(authors_row(mode, model, size, batch, kw.get("aug", 8), authors_code))
+            theirs.append(authors_row(mode, model, size, batch, kw.get("aug", 8), authors_code,
+                                      weights_path(model, kw.get("weights", "auto"))))
         if with_torch:
             rl4co.append(torch_row(mode, model, size, batch, kw.get("aug", 8)))
     row = _fastest(ours)
@@ -215,6 +221,8 @@ def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_t
     if authors_code:
         row["authors"] = _fastest(theirs)
         row["speedup_vs_authors"] = row["instances_per_second"] / row["authors"]["instances_per_second"]
+        if row["authors"].get("decode_steps") and row.get("decode_steps"):
+            row["per_step_speedup_vs_authors"] = per_step_speedup(row, row["authors"])
     if with_torch:
         usable = [r for r in rl4co if "instances_per_second" in r]
         row["torch"] = _fastest(usable) if usable else rl4co[0]
@@ -222,9 +230,17 @@ def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_t
             row["speedup_vs_torch"] = row["instances_per_second"] / row["torch"]["instances_per_second"]
         if row["torch"].get("decode_steps") and row.get("decode_steps"):
             # Decisions (hence steps) differ between differently initialised policies: per step as well.
-            row["per_step_speedup_vs_torch"] = ((row["torch"]["seconds"] / row["torch"]["decode_steps"])
-                                                / (row["seconds"] / row["decode_steps"]))
+            row["per_step_speedup_vs_torch"] = per_step_speedup(row, row["torch"])
     return row
+
+
+def per_step_speedup(ours: dict, peer: dict) -> float:
+    """The speed-up per decoding step: decisions (hence steps) differ between policies that were initialised
+    differently or sample differently. ``decode_steps``: one count, or one per timed training step."""
+    def per_step(row):
+        seconds = row.get("seconds", row.get("seconds_per_step"))
+        return seconds / float(np.mean(row["decode_steps"]))
+    return per_step(peer) / per_step(ours)
 
 
 def torch_row(mode: str, model: str, size: int, batch: int, aug: int) -> dict:
@@ -237,14 +253,17 @@ def torch_row(mode: str, model: str, size: int, batch: int, aug: int) -> dict:
     return torch_peer.torch_train(model, size, batch)
 
 
-def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: str) -> dict:
-    """The authors' PyTorch code on the same workload (the same generated instances for inference)."""
+def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: str, weights: str | None) -> dict:
+    """The authors' PyTorch code on the same workload (the same generated instances for inference) from the
+    same parameters (``weights``: a checkpoint path, None for random initialisation)."""
     import authors_peer  # benchmarks/authors_peer.py; needs torch and a checkout of their code
 
+    weights = weights or "random"
     if mode == "infer":
         inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
-        return authors_peer.authors_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), code, aug=aug)
-    return authors_peer.authors_train(model, size, batch, code)
+        return authors_peer.authors_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), code, aug=aug,
+                                          weights=weights)
+    return authors_peer.authors_train(model, size, batch, code, weights=weights)
 
 
 def main():
@@ -258,7 +277,8 @@ def main():
     p.add_argument("--aug", type=int, default=8, choices=[1, 8])
     p.add_argument("--weights", default="auto",
                    help="auto (the reference fixture checkpoints in ../shared when present, else random) | "
-                        "random | a checkpoint path (inference)")
+                        "random | a checkpoint path; training starts from them too, ours and the authors' code "
+                        "alike (RL4CO cannot load them and starts from random initialisation)")
     p.add_argument("--chunk_size", type=int, default=None,
                    help="instances decoded at once in inference (default: rollout.default_chunk_size)")
     p.add_argument("--dispatch", default=None, help="MoE execution: auto | dense | grouped | sparse | einsum")
@@ -313,7 +333,7 @@ def main():
             for size in sizes:
                 for batch in batches:
                     extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                        if mode == "infer" else dict(kw, backward=args.backward)
+                        if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
                     row = run(mode, model, size, batch, peak, with_torch=args.torch, authors_code=args.authors,
                               rounds=args.rounds, **extra)
                     rows.append(row)

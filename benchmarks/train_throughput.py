@@ -21,13 +21,17 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
-from mvmoe_jax import training, training_loop  # noqa: E402
+from mvmoe_jax import checkpoints, training, training_loop  # noqa: E402
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
-            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None) -> dict:
-    """``problems``: the training variants (comma list; default: the config's)."""
+            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
+            weights: str | None = None) -> dict:
+    """``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
+    (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
+    Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
+    (an untrained policy returns to the depot far more often)."""
     config = importlib.import_module(f"configs.{config_name}").get_config()
     if problems:
         config.train_problems = problems
@@ -37,7 +41,11 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     plan = training_loop.check_config(config)
     fns = training_loop.step_functions(config, plan, training.make_mesh())
     t0 = time.perf_counter()
-    state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
+    if weights:
+        _, params = checkpoints.load_policy(weights, plan.policy)
+    else:
+        params = training.init_params(plan.policy, jax.random.key(0))
+    state = fns.init_state(params)
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -79,6 +87,7 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     sample_s = float(np.mean([a for a, _ in timed])) if timed and fns.replays else None
     update_s = float(np.mean([b for _, b in timed])) if timed and fns.replays else None
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
+            "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
             "pomo": pomo, "batch": batch, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
             "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
@@ -105,6 +114,7 @@ def main():
                    help="how gradients are taken (config.backward)")
     p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
     p.add_argument("--remat", action="store_true", help="replay_remat")
+    p.add_argument("--weights", default="", help="checkpoint to start from (.pt or orbax); default random")
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
     args = p.parse_args()
     device = (f"{jax.devices()[0].device_kind} x{len(jax.devices())} ({jax.default_backend()}, {os.cpu_count()} "
@@ -113,7 +123,7 @@ def main():
     rows = []
     for name in args.configs.split(","):
         row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
-                      backward=args.backward, problems=args.problems or None)
+                      backward=args.backward, problems=args.problems or None, weights=args.weights or None)
         rows.append(row)
         print(f"{name}: {row['instances_per_second']:.1f} instances/s ({split(row)} s/step; compile "
               f"{row['compile_seconds']:.0f} s)", flush=True)

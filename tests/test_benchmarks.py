@@ -89,3 +89,33 @@ def test_authors_peer_rejects_a_folder_that_is_not_the_authors_code(tmp_path):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), str(tmp_path))
     with pytest.raises(ValueError, match="--code"):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), None)
+
+
+def _benchmarks_module(name):
+    if str(REPO_ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    return __import__(name)
+
+
+def test_per_step_speedup_normalises_by_decoding_steps():
+    throughput = _benchmarks_module("throughput")
+    ours = {"seconds": 2.0, "decode_steps": [60, 62, 64]}          # training: one count per timed step
+    peer = {"seconds_per_step": 3.0, "decode_steps": [50, 50, 50]}
+    assert throughput.per_step_speedup(ours, peer) == pytest.approx((3.0 / 50) / (2.0 / 62))
+    assert throughput.per_step_speedup({"seconds": 1.0, "decode_steps": 40},
+                                       {"seconds": 1.0, "decode_steps": 80}) == pytest.approx(0.5)
+
+
+def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
+    from conftest import require_shared
+    checkpoints = require_shared("fixtures", "torch-reference", "checkpoints")
+    train_throughput = _benchmarks_module("train_throughput")
+    row = train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
+                                   weights=str(checkpoints / "mtl_n20_fixture.pt"))
+    assert row["weights"] == "mtl_n20_fixture.pt" and row["timed_steps"] == 1
+    assert row["instances_per_second"] > 0
+    # A checkpoint of another model is refused by name, not run.
+    from mvmoe_jax.checkpoints import CheckpointMismatchError
+    with pytest.raises(CheckpointMismatchError, match="holds a 'mvmoe' model.*asks for 'pomo_mtl'"):
+        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
+                                 weights=str(checkpoints / "moe_n20_fixture.pt"))
