@@ -119,3 +119,14 @@ def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="holds a 'mvmoe' model.*asks for 'pomo_mtl'"):
         train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
                                  weights=str(checkpoints / "moe_n20_fixture.pt"))
+
+
+def test_batched_matmul_benchmark(tmp_path):
+    out = tmp_path / "m.json"
+    _run(["benchmarks/batched_matmul.py", "--repeats=1", f"--output={out}"])
+    res = json.loads(out.read_text())
+    shapes = _benchmarks_module("batched_matmul").SHAPES
+    assert [r["shape"] for r in res["rows"]] == [s[0] for s in shapes] and res["device"]
+    for r in res["rows"]:
+        flops = 2.0 * r["m"] * r["k"] * r["n"] * float(np.prod(r["batch"]))
+        assert r["seconds"] > 0 and r["gflops"] * 1e9 * r["seconds"] == pytest.approx(flops)
