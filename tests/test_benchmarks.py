@@ -1,5 +1,6 @@
 """Smoke tests: the benchmark scripts run on a tiny size and write their JSON (no timing asserted)."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -52,12 +53,16 @@ def test_env_and_train_benchmarks(tmp_path):
     assert row["instances_per_second"] > 0 and row["timed_steps"] == 1
 
 
-def _authors_peer():
-    """benchmarks/authors_peer.py, imported in this process (it imports without torch)."""
+def _benchmarks_module(name):
+    """benchmarks/<name>.py, imported in this process."""
     if str(REPO_ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import authors_peer
-    return authors_peer
+    return importlib.import_module(name)
+
+
+def _authors_peer():
+    """benchmarks/authors_peer.py (it imports without torch)."""
+    return _benchmarks_module("authors_peer")
 
 
 def test_authors_peer_runs_the_authors_code_on_tiny_instances():
@@ -89,12 +94,6 @@ def test_authors_peer_rejects_a_folder_that_is_not_the_authors_code(tmp_path):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), str(tmp_path))
     with pytest.raises(ValueError, match="--code"):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), None)
-
-
-def _benchmarks_module(name):
-    if str(REPO_ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    return __import__(name)
 
 
 def test_per_step_speedup_normalises_by_decoding_steps():
