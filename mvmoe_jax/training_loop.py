@@ -103,6 +103,8 @@ def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> St
                             aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
                             backward=config.backward, replay_chunk=config.replay_chunk,
                             replay_remat=config.replay_remat)
+    # 'auto' resolved here, so that a run asking for it and one naming the backend's default share the cache.
+    settings = dataclasses.replace(settings, backward=settings.resolved_backward)
     return StepFunctions.cached(plan.policy, plan.optimizer, settings, num_customers=config.problem_size,
                                 variants=plan.variants, mixed=config.mixed_batches, mesh=mesh,
                                 replay_bucket_size=config.replay_bucket)

@@ -405,10 +405,11 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
     gates64 = np.einsum("uk,uke->ue", np.where(active, weights, 0.0), np.eye(4)[np.asarray(index)])
     expected = np.einsum("ue,euo->uo", gates64, np_experts({f"experts_{k}": v for k, v in params.items()},
                                                            np.asarray(units[:, 0], np.float64)))[:, None]
-    g_dense = jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1))(params, units)
+    # jit: one compilation each, against hundreds of op-by-op ones for the eager gradients.
+    g_dense = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1)))(params, units)
     for execution in (grouped, side_by_side):
-        np.testing.assert_allclose(execution(params, units), expected, rtol=1e-5, atol=1e-5)
-        g = jax.grad(lambda p, x: jnp.sum(jnp.sin(execution(p, x))), argnums=(0, 1))(params, units)
+        np.testing.assert_allclose(jax.jit(execution)(params, units), expected, rtol=1e-5, atol=1e-5)
+        g = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(execution(p, x))), argnums=(0, 1)))(params, units)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

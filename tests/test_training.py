@@ -86,7 +86,8 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     assert (float(traj.aux_loss) > 0) == cfg.uses_moe
 
 
-@pytest.mark.parametrize("model", [pytest.param("pomo_mtl", marks=pytest.mark.slow), "mvmoe", "mvmoe_light"])
+@pytest.mark.parametrize("model", [pytest.param("pomo_mtl", marks=pytest.mark.slow),
+                                   pytest.param("mvmoe", marks=pytest.mark.slow), "mvmoe_light"])
 def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model):
     """The stepwise backward (one step's vjp at a time, MVMoE-L's gate cotangents summed and passed back
     through step 0) gives the gradient that jax.grad takes through the whole replayed loss, for every
