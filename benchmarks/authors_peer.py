@@ -63,10 +63,6 @@ import peer_cli  # benchmarks/peer_cli.py (this folder is on sys.path when run o
 
 MODELS = ("pomo_mtl", "mvmoe", "mvmoe_light")
 AUTHORS_CLASSES = {"pomo_mtl": "MTLModel", "mvmoe": "MOEModel", "mvmoe_light": "MOEModel_Light"}
-FIXTURE_CHECKPOINTS = {"pomo_mtl": "mtl_n20_fixture.pt", "mvmoe": "moe_n20_fixture.pt",
-                       "mvmoe_light": "moe_light_n20_fixture.pt"}
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-FIXTURE_DIR = REPO_ROOT.parent / "shared" / "fixtures" / "torch-reference" / "checkpoints"
 # Files of their repository this harness relies on; a checkout without them is not that repository.
 REQUIRED_FILES = ("Tester.py", "Trainer.py", "utils.py", "envs/CVRPEnv.py", "models/__init__.py",
                   "models/MTLModel.py", "models/MOEModel.py", "models/MOEModel_Light.py", "models/MOELayer.py")
@@ -178,12 +174,6 @@ def model_params(model: str, problem: str = "Train_ALL") -> dict:
             "device": torch.device("cpu")}
 
 
-def default_weights(model: str) -> str | None:
-    """The briefly trained fixture checkpoint for ``model`` in ../shared, when present."""
-    path = FIXTURE_DIR / FIXTURE_CHECKPOINTS[model]
-    return str(path) if path.is_file() else None
-
-
 def build_model(authors, model: str, weights: str | None = None, seed: int = 0):
     """(their model, its model_params, description of the weights).
 
@@ -193,7 +183,7 @@ def build_model(authors, model: str, weights: str | None = None, seed: int = 0):
     torch = authors.torch
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
-    path = default_weights(model) if weights is None else (None if weights == "random" else weights)
+    path = peer_cli.fixture_checkpoint(model) if weights is None else (None if weights == "random" else weights)
     checkpoint = None
     if path is not None:
         if not os.path.isfile(path):

@@ -20,7 +20,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from throughput import FIXTURE_CHECKPOINTS, MODELS, REPO_ROOT, device_description  # noqa: E402
+import peer_cli  # noqa: E402  (benchmarks/peer_cli.py)
+from throughput import MODELS, REPO_ROOT, device_description  # noqa: E402
 
 from mvmoe_jax import checkpoints, evaluation, io, problems  # noqa: E402
 
@@ -37,11 +38,13 @@ def main():
     p.add_argument("--output", default="benchmarks/results/bf16_quality.json")
     args = p.parse_args()
 
-    fixtures = os.path.join(os.path.dirname(REPO_ROOT), "shared", "fixtures", "torch-reference", "checkpoints")
     models = [m.strip() for m in args.models.split(",")]
     rows = []
     for model in models:
-        path = args.checkpoint or os.path.join(fixtures, FIXTURE_CHECKPOINTS[model])
+        path = args.checkpoint or peer_cli.fixture_checkpoint(model)
+        if path is None:
+            raise SystemExit(f"no checkpoint for {model}: pass --checkpoint, or place the reference fixtures at "
+                             f"{peer_cli.FIXTURE_DIR}")
         cfg, params = checkpoints.load_policy(path)
         for var in problems.parse_variants(args.problems):
             inst = io.load_paper_instances(io.dataset_path(args.data_dir, var, args.size), var,

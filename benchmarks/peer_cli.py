@@ -1,11 +1,25 @@
-"""What the PyTorch peers' command lines share (``torch_peer.py``, ``authors_peer.py``): the CVRP
-workload of ``throughput.py`` and the JSON they print and write."""
+"""What the benchmark scripts and the PyTorch peers' command lines share (``throughput.py``,
+``torch_peer.py``, ``authors_peer.py``, ``bf16_quality.py``): the reference fixture checkpoints, the CVRP
+workload of ``throughput.py`` and the JSON they print and write. Imports neither jax nor torch at load."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE_DIR = REPO_ROOT.parent / "shared" / "fixtures" / "torch-reference" / "checkpoints"
+# The briefly trained checkpoints of the original implementation, one per model of the paper.
+FIXTURE_CHECKPOINTS = {"pomo_mtl": "mtl_n20_fixture.pt", "mvmoe": "moe_n20_fixture.pt",
+                       "mvmoe_light": "moe_light_n20_fixture.pt"}
+
+
+def fixture_checkpoint(model: str) -> str | None:
+    """The path of ``model``'s fixture checkpoint in ../shared, None where shared/ is absent."""
+    path = FIXTURE_DIR / FIXTURE_CHECKPOINTS[model]
+    return str(path) if path.is_file() else None
 
 
 def cvrp_workload(seed: int, batch: int, size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -39,6 +39,7 @@ from mvmoe_jax import checkpoints, env, instances, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
+import peer_cli  # noqa: E402  (benchmarks/peer_cli.py)
 import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
@@ -81,8 +82,6 @@ def _flops(compiled) -> float:
     return float(cost.get("flops", 0.0)) if cost else 0.0
 
 
-FIXTURE_CHECKPOINTS = {"pomo_mtl": "mtl_n20_fixture.pt", "mvmoe": "moe_n20_fixture.pt",
-                       "mvmoe_light": "moe_light_n20_fixture.pt"}
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -90,9 +89,7 @@ def weights_path(model: str, weights: str) -> str | None:
     """The checkpoint that ``weights`` names for ``model`` ('auto': the reference fixture of
     ``shared/fixtures`` when present), None for random initialisation."""
     if weights == "auto":
-        candidate = os.path.join(os.path.dirname(REPO_ROOT), "shared", "fixtures", "torch-reference",
-                                 "checkpoints", FIXTURE_CHECKPOINTS[model])
-        return candidate if os.path.exists(candidate) else None
+        return peer_cli.fixture_checkpoint(model)
     return None if weights == "random" else weights
 
 
