@@ -48,12 +48,15 @@ flags.DEFINE_bool("fused_query", None, "Precompute every possible decoder query'
                   "batch (default: the model's, on).")
 flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~800 trajectories "
                      "on CPU, the whole batch on accelerators).")
+flags.DEFINE_integer("cpu_devices", 0, "On CPU, decode on this many JAX devices at once (0: one per core; "
+                     "1: JAX's single device). Results do not depend on it.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
     try:
+        cli.use_cpu_devices(FLAGS.cpu_devices)
         results = cli.run_evaluation(_CONFIG.value, FLAGS)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

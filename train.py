@@ -51,6 +51,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
+        training_loop.use_cpu_devices(config)
         training_loop.train_and_evaluate(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

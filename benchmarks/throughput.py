@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mvmoe_jax import checkpoints, env, instances, rollout, training
+from mvmoe_jax import checkpoints, devices, env, instances, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
@@ -47,10 +47,11 @@ MODELS = {"pomo_mtl": "POMO-MTL", "mvmoe": "MVMoE/4E", "mvmoe_light": "MVMoE/4E-
 
 
 def device_description() -> str:
-    d = jax.devices()[0]
+    d, count = jax.devices()[0], jax.local_device_count()
     if d.platform == "cpu":
-        return f"cpu: {os.cpu_count()} cores {platform.machine()} ({machine.cpu_model()})"
-    return f"{d.platform}: {d.device_kind}"
+        split = f", as {count} devices" if count > 1 else ""
+        return f"cpu: {os.cpu_count()} cores {platform.machine()} ({machine.cpu_model()}){split}"
+    return f"{d.platform}: {d.device_kind}" + (f" x{count}" if count > 1 else "")
 
 
 def peak_memory_bytes() -> int:
@@ -140,18 +141,19 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
     inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
     run_kw = dict(pomo_size=size, augment=aug == 8, chunk_size=chunk_size)
     t0 = time.perf_counter()
-    compiled = rollout.greedy_evaluate.lower(cfg, params, inst, jax.random.key(0), **run_kw).compile()
+    compiled = rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), **run_kw)
     compile_s = time.perf_counter() - t0
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
     seconds = min(_timed(lambda: jax.block_until_ready(compiled(params, inst, jax.random.key(r))))
                   for r in range(repeats))
     flat = rollout.augmented_batch(inst) if aug == 8 else inst
     m = flat.locs.shape[0]
-    chunk = rollout.effective_chunk_size(chunk_size, size, flat)
+    chunk = rollout.effective_chunk_size(chunk_size, size, flat, jax.local_device_count())
     chunk_steps = np.asarray(res.chunk_steps)
     flops = executed_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, m) * (m // batch)
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
+            "devices": jax.local_device_count(),
             "moe_dispatch": cfg.dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
             "fused_query": cfg.fused_query,
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
@@ -292,8 +294,12 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each workload this many times, the frameworks in turn, and keep each one's "
                         "fastest round (for a shared machine whose speed drifts)")
+    p.add_argument("--cpu_devices", type=int, default=None,
+                   help="on CPU, run as this many JAX devices (default: one per core; 1: JAX's single device); "
+                        "see mvmoe_jax/devices.py")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
+    devices.use_cpu_cores_as_devices(args.cpu_devices)
 
     kw = {}
     if args.dispatch:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
-from mvmoe_jax import checkpoints, training, training_loop  # noqa: E402
+from mvmoe_jax import checkpoints, devices, training, training_loop  # noqa: E402
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
@@ -39,7 +39,9 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
     config.backward = backward
     plan = training_loop.check_config(config)
-    fns = training_loop.step_functions(config, plan, training.make_mesh())
+    # Data parallel over as many devices as split the batch evenly (all of them, for the usual sizes).
+    num_devices = devices.largest_divisor_at_most(len(jax.devices()), batch)
+    fns = training_loop.step_functions(config, plan, devices.make_mesh(jax.devices()[:num_devices]))
     t0 = time.perf_counter()
     if weights:
         _, params = checkpoints.load_policy(weights, plan.policy)
@@ -88,7 +90,7 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     update_s = float(np.mean([b for _, b in timed])) if timed and fns.replays else None
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
-            "pomo": pomo, "batch": batch, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
+            "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
             "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
@@ -115,8 +117,11 @@ def main():
     p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
     p.add_argument("--remat", action="store_true", help="replay_remat")
     p.add_argument("--weights", default="", help="checkpoint to start from (.pt or orbax); default random")
+    p.add_argument("--cpu_devices", type=int, default=None,
+                   help="on CPU, run as this many JAX devices (default: one per core; 1: JAX's single device)")
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
     args = p.parse_args()
+    devices.use_cpu_cores_as_devices(args.cpu_devices)
     device = (f"{jax.devices()[0].device_kind} x{len(jax.devices())} ({jax.default_backend()}, {os.cpu_count()} "
               f"cpus, {machine.cpu_model()})")
     load_before = os.getloadavg()

@@ -196,7 +196,9 @@ def restore_policy(directory: str | os.PathLike, cfg: PolicyConfig | None = None
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory at {directory}")
-    with ocp.CheckpointManager(directory) as mngr:
+    # Handlers named up front so that the stored array metadata can be read (see _single_device_target).
+    handlers = {"params": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(directory, item_handlers=handlers) as mngr:
         step = mngr.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{directory} holds no checkpoint steps")
@@ -207,9 +209,19 @@ def restore_policy(directory: str | os.PathLike, cfg: PolicyConfig | None = None
             raise CheckpointMismatchError(
                 f"{directory} holds a {stored_cfg.model!r} model ({_describe(stored_cfg)}), but the config "
                 f"asks for {cfg.model!r} ({_describe(cfg)})")
-        raw = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+        target = _single_device_target(mngr.item_metadata(step)["params"])
+        raw = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     check_params_fit(raw["params"], use, directory)
     return use, jax.tree.map(jnp.asarray, raw)
+
+
+def _single_device_target(metadata) -> Any:
+    """The stored parameters' shapes and dtypes, placed on this process's first device: a checkpoint
+    written by a run over several devices (a CPU's cores, or GPUs) restores on a machine with any number
+    (orbax otherwise restores onto the writer's device topology, and refuses a different one)."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    tree = getattr(metadata, "tree", metadata)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), tree)
 
 
 def load_policy(path: str | os.PathLike, cfg: PolicyConfig | None = None) -> tuple[PolicyConfig, dict]:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from mvmoe_jax import checker
 from mvmoe_jax.instances import Instance, take
 from mvmoe_jax.nn.policy import PolicyConfig
-from mvmoe_jax.rollout import greedy_evaluate
+from mvmoe_jax.rollout import compile_greedy_evaluate
 
 
 @dataclasses.dataclass
@@ -63,8 +63,8 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
 
     t0 = time.perf_counter()
     first = pad_batch(take(inst, np.arange(min(bs, k))), bs)
-    compiled = greedy_evaluate.lower(cfg, params, first, rng, pomo_size=pomo, augment=augment,
-                                     chunk_size=chunk_size).compile()
+    compiled = compile_greedy_evaluate(cfg, params, first, rng, pomo_size=pomo, augment=augment,
+                                       chunk_size=chunk_size)
     compile_s = time.perf_counter() - t0
 
     obj, obj_no_aug, actions = [], [], []

@@ -13,8 +13,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import env
+from mvmoe_jax.devices import DATA_AXIS, local_mesh
 from mvmoe_jax.instances import BACKHAUL_RATIO, Instance, augment_8
 from mvmoe_jax.nn.policy import DecoderCache, Policy, PolicyConfig
 
@@ -245,23 +247,32 @@ class GreedyResult:
 
 
 def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Array, pomo_size: int,
-                            chunk: int) -> tuple[RolloutOutput, jax.Array]:
+                            chunk: int, mesh: Mesh | None = None) -> tuple[RolloutOutput, jax.Array]:
     """Greedy rollouts of M instances, ``chunk`` at a time (``lax.map``); same results as one rollout.
 
     Every chunk uses the same ``rng``, so step t draws the same keys in every chunk as in a single batch.
     MVMoE-L's dense-or-MoE probabilities come from the first step's attention pooled over all M instances
     (as the reference computes them over its batch): a first pass encodes every chunk and pools, the
-    second decodes from the stored encodings. Returns the (M, ...) output and the steps of each chunk.
+    second decodes from the stored encodings. With a ``mesh`` (one ``'data'`` axis) the chunks are dealt
+    out over its devices, each running its own share one after another (padded to a whole number of
+    chunks per device with copies of the first instance). Returns the (M, ...) output and the steps of
+    each chunk (C,), padding chunks included.
     """
     m = inst.locs.shape[0]
+    num_devices = 1 if mesh is None else mesh.devices.size
     num_chunks = -(-m // chunk)
+    num_chunks = -(-num_chunks // num_devices) * num_devices
     idx = jnp.concatenate([jnp.arange(m), jnp.zeros(num_chunks * chunk - m, jnp.int32)])
     chunks = jax.tree.map(lambda x: x[idx].reshape((num_chunks, chunk) + x.shape[1:]), inst)
-    decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng,
-                     log_likelihood=False)
+    real = (jnp.arange(num_chunks * chunk) < m).reshape(num_chunks, chunk)
+    starts_per_instance = min(pomo_size, inst.locs.shape[-2] - 1)          # P of start_nodes
 
-    if policy.cfg.hierarchical:
-        real = (jnp.arange(num_chunks * chunk) < m).reshape(num_chunks, chunk)
+    def decode_chunks(params, chunks, real):
+        """(C', ...) outputs of this device's C' chunks."""
+        decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng,
+                         log_likelihood=False)
+        if not policy.cfg.hierarchical:
+            return jax.lax.map(decode, chunks)
 
         def encode_and_pool(args):
             c_inst, c_real = args
@@ -272,12 +283,15 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
             return encoded, jnp.sum(jnp.where(c_real[:, None, None], attn, 0.0), axis=(0, 1))
 
         encoded, sums = jax.lax.map(encode_and_pool, (chunks, real))
-        starts_per_instance = min(pomo_size, inst.locs.shape[-2] - 1)          # P of start_nodes
-        pooled = sums.sum(0) / (m * starts_per_instance)
-        probs = policy.apply(params, pooled, method=Policy.hierarchical_gate_probs)
-        outs = jax.lax.map(lambda a: decode(a[0], encoded=a[1], gate_probs=probs), (chunks, encoded))
+        total = sums.sum(0) if mesh is None else jax.lax.psum(sums.sum(0), DATA_AXIS)
+        probs = policy.apply(params, total / (m * starts_per_instance), method=Policy.hierarchical_gate_probs)
+        return jax.lax.map(lambda a: decode(a[0], encoded=a[1], gate_probs=probs), (chunks, encoded))
+
+    if mesh is None:
+        outs = decode_chunks(params, chunks, real)
     else:
-        outs = jax.lax.map(decode, chunks)
+        outs = jax.shard_map(decode_chunks, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
+                             out_specs=P(DATA_AXIS))(params, chunks, real)
 
     def unchunk(x):
         return x.reshape((num_chunks * chunk,) + x.shape[2:])[:m]
@@ -294,36 +308,73 @@ def augmented_batch(inst: Instance) -> Instance:
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), aug)
 
 
-def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance) -> int:
+def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance, num_devices: int = 1) -> int:
     """Instances ``greedy_evaluate`` decodes at once for the (augmented) batch ``flat``: ``chunk_size``
-    or ``default_chunk_size``, capped at the batch (the whole batch when there is no chunking)."""
+    or ``default_chunk_size``, capped at the batch (the whole batch when there is no chunking) and, over
+    several devices, at an even share of it, so that every device has a chunk."""
     m = flat.locs.shape[0]
     if chunk_size is None:
         chunk_size = default_chunk_size(min(pomo_size, flat.locs.shape[-2] - 1))
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of instances, got {chunk_size}")
-    return m if chunk_size is None else min(chunk_size, m)
+    share = -(-m // num_devices)
+    return share if chunk_size is None else min(chunk_size, share)
 
 
-@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size"))
 def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                    augment: bool = True, chunk_size: int | None = None) -> GreedyResult:
+                    augment: bool = True, chunk_size: int | None = None,
+                    num_devices: int | None = None) -> GreedyResult:
     """Greedy POMO evaluation of a batch, optionally with x8 augmentation (one pass over 8B instances).
 
     chunk_size: instances decoded at once (the 8B augmented instances are processed in sequential chunks
     of this many; results do not depend on it). None: ``default_chunk_size(starts)``.
+    num_devices: the chunks are dealt out over this process's first ``num_devices`` devices, which decode
+    their shares at the same time (None: all of them; see ``devices.use_cpu_cores_as_devices`` for a
+    CPU's cores as devices). Results do not depend on it. Inputs are copied to those devices as needed.
+    Compiled once per (cfg, shapes, options); ``compile_greedy_evaluate`` compiles ahead of the first call.
     """
+    num_devices = local_mesh(num_devices).devices.size
+    params, inst, rng = _placed((params, inst, rng), num_devices)
+    return _greedy_evaluate(cfg, params, inst, rng, pomo_size=pomo_size, augment=augment, chunk_size=chunk_size,
+                            num_devices=num_devices)
+
+
+def compile_greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
+                            augment: bool = True, chunk_size: int | None = None, num_devices: int | None = None):
+    """``greedy_evaluate`` compiled for the shapes of (params, inst, rng) (for timing compilation apart):
+    a function (params, inst, rng) -> GreedyResult for batches of those shapes."""
+    num_devices = local_mesh(num_devices).devices.size
+    compiled = _greedy_evaluate.lower(cfg, *_placed((params, inst, rng), num_devices), pomo_size=pomo_size,
+                                      augment=augment, chunk_size=chunk_size, num_devices=num_devices).compile()
+    return lambda params, inst, rng: compiled(*_placed((params, inst, rng), num_devices))
+
+
+def _placed(args, num_devices: int):
+    """``args`` replicated over the first ``num_devices`` local devices (a no-op where they already are):
+    arrays committed to one device (e.g. restored from a checkpoint) cannot enter a program that runs
+    on several."""
+    if num_devices == 1:
+        return args
+    return jax.device_put(args, NamedSharding(local_mesh(num_devices), P()))
+
+
+@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size", "num_devices"))
+def _greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
+                     augment: bool, chunk_size: int | None, num_devices: int) -> GreedyResult:
+    """``greedy_evaluate``'s program; the inputs are on the devices of ``local_mesh(num_devices)``."""
     b = inst.locs.shape[0]
     flat = augmented_batch(inst) if augment else inst
     m = flat.locs.shape[0]
-    chunk = effective_chunk_size(chunk_size, pomo_size, flat)
+    mesh = local_mesh(num_devices)
+    chunk = effective_chunk_size(chunk_size, pomo_size, flat, num_devices)
     policy = Policy(cfg)
     if chunk == m:
         out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng,
                       log_likelihood=False)
         chunk_steps = out.num_steps[None]
     else:
-        out, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk)
+        out, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk,
+                                                    mesh if num_devices > 1 else None)
     cost = out.cost.reshape(-1, b, out.cost.shape[-1])        # (A, B, P)
     no_aug = cost[0].min(-1)
     per_aug = cost.transpose(1, 0, 2).reshape(b, -1)          # (B, A*P)

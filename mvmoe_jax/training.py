@@ -48,11 +48,11 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import problems
+from mvmoe_jax.devices import DATA_AXIS, make_mesh  # noqa: F401  (make_mesh: part of this module's API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
 
-DATA_AXIS = "data"
 BACKWARDS = ("auto", "stepwise", "replay")
 
 
@@ -469,10 +469,3 @@ def step_key(base_key: jax.Array, step: int) -> jax.Array:
     """The PRNG key of optimiser step ``step``: a pure function of the run's key and the step, so a
     resumed run draws exactly what an uninterrupted one would."""
     return jax.random.fold_in(base_key, step)
-
-
-def make_mesh(devices=None) -> Mesh:
-    """A one-axis (``'data'``) mesh over ``devices`` (default: every device of every process)."""
-    devices = jax.devices() if devices is None else list(devices)
-    return Mesh(np.asarray(devices), (DATA_AXIS,))
-

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from mvmoe_jax import checkpoints, problems, training
 from mvmoe_jax.cli import policy_config
+from mvmoe_jax.devices import largest_divisor_at_most, usable_cores, use_cpu_cores_as_devices
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import PolicyConfig
@@ -93,6 +94,17 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     optimizer = training.OptimizerSettings(float(config.learning_rate), float(config.weight_decay), decay_step,
                                            float(config.lr_decay_factor))
     return RunPlan(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer)
+
+
+def use_cpu_devices(config: ml_collections.ConfigDict) -> int:
+    """Before any JAX computation: present the CPU as ``config.cpu_devices`` devices (0: one per usable
+    core, reduced to the largest count that splits every batch of the run evenly). Returns the count."""
+    count = int(config.get("cpu_devices", 0))
+    _require(count >= 0, f"cpu_devices must be >= 0 (0: one per core), got {count}")
+    if count == 0:
+        plan = check_config(config)
+        count = largest_divisor_at_most(usable_cores(), config.batch_size, plan.last_batch)
+    return use_cpu_cores_as_devices(count)
 
 
 def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> StepFunctions:

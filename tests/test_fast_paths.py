@@ -4,13 +4,18 @@ chunked greedy evaluation (MVMoE-L's batch-pooled gate included) and the grouped
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mvmoe_jax import env, instances, rollout, training
+from conftest import REPO_ROOT
+from mvmoe_jax import devices, env, instances, rollout, training
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 N = 20
@@ -95,6 +100,59 @@ def test_chunk_size_must_be_positive():
     params = training.init_params(cfg, jax.random.key(0), N)
     with pytest.raises(ValueError, match="chunk_size"):
         rollout.greedy_evaluate(cfg, params, mixed_batch(4), jax.random.key(0), pomo_size=N, chunk_size=0)
+
+
+DEVICES_SCRIPT = """
+import json, sys
+from mvmoe_jax import devices
+assert devices.use_cpu_cores_as_devices(2) == 2
+import jax, numpy as np
+sys.path.insert(0, "tests")
+from test_fast_paths import N, mixed_batch, perturbed_params, rollout, small_config
+out = {"devices": len(jax.devices())}
+for model in ("pomo_mtl", "mvmoe_light"):      # the plain path, and the gate pooled across devices
+    cfg = small_config(model)
+    # Inputs committed to one device (as a restored checkpoint's are) are copied where they are needed.
+    params, inst = jax.device_put((perturbed_params(cfg), mixed_batch(8)), jax.devices()[0])
+    res = rollout.greedy_evaluate(cfg, params, inst, jax.random.key(4), pomo_size=N, chunk_size=5)
+    out[model] = {k: np.asarray(getattr(res, k)).tolist() for k in ("obj", "obj_no_aug", "best_actions", "chunk_steps")}
+try:
+    devices.use_cpu_cores_as_devices(3)
+except RuntimeError as e:
+    out["late"] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_greedy_evaluation_over_two_cpu_devices_equals_one_device():
+    """The chunks dealt out over two devices (a CPU's two cores as JAX devices, in a subprocess) give
+    exactly this process's one-device results, MVMoE-L's gate pooled across devices included; asking for
+    other devices once JAX runs is a clear error. (The one-device runs are test_chunked_greedy_evaluation_
+    equals_one_batch's, compiled once.)"""
+    proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=600, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert out["devices"] == 2 and len(jax.devices()) == 1
+    for model in ("pomo_mtl", "mvmoe_light"):
+        cfg = small_config(model)
+        one = rollout.greedy_evaluate(cfg, perturbed_params(cfg), mixed_batch(8), jax.random.key(4), pomo_size=N,
+                                      chunk_size=5)
+        # 64 augmented instances in chunks of 5: 13 chunks, padded to 14 for two devices.
+        assert one.chunk_steps.shape == (13,) and len(out[model]["chunk_steps"]) == 14
+        for field in ("obj", "obj_no_aug", "best_actions"):
+            np.testing.assert_array_equal(np.asarray(out[model][field]), np.asarray(getattr(one, field)),
+                                          err_msg=f"{model} {field}")
+    assert "already started with 2" in out["late"]
+
+
+def test_largest_divisor_at_most():
+    assert devices.largest_divisor_at_most(2, 64) == 2
+    assert devices.largest_divisor_at_most(2, 64, 7) == 1
+    assert devices.largest_divisor_at_most(8, 24, 12) == 6
+    assert devices.largest_divisor_at_most(0, 5) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        devices.use_cpu_cores_as_devices(0)
 
 
 def test_grouped_and_dense_dispatch_agree_in_the_policy():
