@@ -144,11 +144,14 @@ class DecoderCache:
 
     embeddings: (B, N, D) node embeddings (also the single-head keys).
     keys, values: (B, H, N, D/H) multi-head keys and values.
-    readout: (B, D, M, N') the node embeddings pulled through each of the M linear maps of the decoder's
-      combining projection (M = 1 dense, E experts, or 1 + E for MVMoE-L's dense-or-MoE), so that a
-      step's scores are ``sum_m mix_m (attn @ readout[m] + readout_bias[m])``; readout_bias (B, M, N').
-      The node axis is zero-padded to N' >= N (``padded_readout_nodes``); scores keep the first N.
-      None without the fusion (``PolicyConfig.fused_readout`` off or not applicable, or initialising).
+    readout: the node embeddings pulled through the linear maps of the decoder's combining projection, so
+      that a step's scores are ``sum_m mix_m (attn @ readout[m] + readout_bias[m])``: a tuple with one
+      (B, D, M_g, N_g) array per group of maps that a step applies together (the dense map; the E
+      experts; or MVMoE-L's dense map and its experts as two groups, so that the branch a step draws
+      reads its own array rather than a slice copied out of a shared one); readout_bias the matching
+      (B, M_g, N_g) arrays. The node axis is zero-padded to N_g >= N (``padded_readout_nodes``); scores
+      keep the first N. None without the fusion (``PolicyConfig.fused_readout`` off or not applicable,
+      or initialising).
     node_scores: (B, H, N, N) the scaled attention scores of the query part that embeds node i (the
       current node) against every key j; feature_scores (B, H, F, N) those of each dynamic feature (F = 4)
       at value 1. A step's scores are ``node_scores[current] + sum_f dynamic_f feature_scores[f]``.
@@ -158,8 +161,8 @@ class DecoderCache:
     embeddings: jax.Array
     keys: jax.Array
     values: jax.Array
-    readout: jax.Array | None = None
-    readout_bias: jax.Array | None = None
+    readout: tuple[jax.Array, ...] | None = None
+    readout_bias: tuple[jax.Array, ...] | None = None
     node_scores: jax.Array | None = None
     feature_scores: jax.Array | None = None
 
@@ -292,15 +295,24 @@ class Policy(nn.Module):
             return cache
         maps, biases = self._combine_maps()                                               # (M, D, D), (M, D)
         emb = embeddings.astype(cfg.dtype)
-        readout = jnp.einsum("mdo,bno->bdmn", maps.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
-        bias = jnp.einsum("mo,bno->bmn", biases.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
-        num_maps, n = maps.shape[0], embeddings.shape[-2]
-        # The maps one step applies together: MVMoE-L's dense map alone or its experts; else all of them.
-        together = (1, num_maps - 1) if cfg.hierarchical else (num_maps,)
-        pad = padded_readout_nodes(n, together) - n
-        readout = jnp.pad(readout, ((0, 0), (0, 0), (0, 0), (0, pad)))
-        bias = jnp.pad(bias, ((0, 0), (0, 0), (0, pad)))
-        return cache.replace(readout=readout, readout_bias=bias)
+        n = embeddings.shape[-2]
+        readouts, readout_biases = [], []
+        for lo, hi in self._map_groups(maps.shape[0]):
+            readout = jnp.einsum("mdo,bno->bdmn", maps[lo:hi].astype(cfg.dtype), emb,
+                                 preferred_element_type=jnp.float32)
+            bias = jnp.einsum("mo,bno->bmn", biases[lo:hi].astype(cfg.dtype), emb,
+                              preferred_element_type=jnp.float32)
+            pad = padded_readout_nodes(n, (hi - lo,)) - n
+            readouts.append(jnp.pad(readout, ((0, 0), (0, 0), (0, 0), (0, pad))))
+            readout_biases.append(jnp.pad(bias, ((0, 0), (0, 0), (0, pad))))
+        return cache.replace(readout=tuple(readouts), readout_bias=tuple(readout_biases))
+
+    def _map_groups(self, num_maps: int) -> tuple[tuple[int, int], ...]:
+        """The [lo, hi) ranges of the stacked combining maps that one step applies together: MVMoE-L's
+        dense map alone or its experts; otherwise all of them."""
+        if self.cfg.hierarchical:
+            return ((0, 1), (1, num_maps))
+        return ((0, num_maps),)
 
     def with_query_scores(self, cache: DecoderCache) -> DecoderCache:
         """``cache`` with node_scores and feature_scores (see DecoderCache): the query fusion added to a
@@ -372,9 +384,9 @@ class Policy(nn.Module):
         x = attn.astype(cfg.dtype)
         num_nodes = cache.embeddings.shape[-2]
 
-        def mixed(weights, lo, hi):
-            """sum over maps lo <= m < hi of weights[..., m - lo] (x @ readout[m] + bias[m]); one map: plain."""
-            readout, bias = cache.readout[:, :, lo:hi], cache.readout_bias[:, lo:hi]
+        def mixed(weights, group):
+            """sum over the group's maps m of weights[..., m] (x @ readout[m] + bias[m]); one map: plain."""
+            readout, bias = cache.readout[group], cache.readout_bias[group]
             b, d, m, n = readout.shape
             per_map = jnp.einsum("bpd,bdx->bpx", x, readout.reshape(b, d, m * n).astype(cfg.dtype),
                                  preferred_element_type=jnp.float32).reshape(x.shape[:2] + (m, n))
@@ -384,17 +396,16 @@ class Policy(nn.Module):
                 score = jnp.einsum("bpm,bpmn->bpn", weights.astype(jnp.float32), per_map + bias[:, None])
             return score[..., :num_nodes]          # the readout's padding columns dropped
 
-        num_maps = cache.readout.shape[2]
         if cfg.hierarchical:
             choice, scale, gates, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs,
                                                                             gates_only=True)
-            # Only the drawn branch's maps are applied (the point of MVMoE-L): dense = map 0.
-            score = jax.lax.cond(choice == 1, lambda: mixed(gates, 1, num_maps), lambda: mixed(None, 0, 1))
+            # Only the drawn branch's maps are applied (the point of MVMoE-L): group 0 dense, group 1 MoE.
+            score = jax.lax.cond(choice == 1, lambda: mixed(gates, 1), lambda: mixed(None, 0))
             return score * scale, aux, gate_probs
         if cfg.moe_at("Dec"):
             gates, aux = self.multi_head_combine(attn, train=train, gates_only=True)
-            return mixed(gates, 0, num_maps), aux, gate_probs
-        return mixed(None, 0, 1), jnp.float32(0.0), gate_probs
+            return mixed(gates, 0), aux, gate_probs
+        return mixed(None, 0), jnp.float32(0.0), gate_probs
 
     def decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                           mask: jax.Array) -> jax.Array:
