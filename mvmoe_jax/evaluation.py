@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from mvmoe_jax import checker
 from mvmoe_jax.instances import Instance, take
 from mvmoe_jax.nn.policy import PolicyConfig
-from mvmoe_jax.rollout import compile_greedy_evaluate
+from mvmoe_jax.rollout import compile_greedy_evaluate, replicated
 
 
 @dataclasses.dataclass
@@ -62,6 +62,7 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
     rng = jax.random.key(seed)
 
     t0 = time.perf_counter()
+    params = replicated(params)           # once, not at every batch
     first = pad_batch(take(inst, np.arange(min(bs, k))), bs)
     compiled = compile_greedy_evaluate(cfg, params, first, rng, pomo_size=pomo, augment=augment,
                                        chunk_size=chunk_size)

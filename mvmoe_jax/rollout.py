@@ -349,6 +349,13 @@ def compile_greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.
     return lambda params, inst, rng: compiled(*_placed((params, inst, rng), num_devices))
 
 
+def replicated(tree, num_devices: int | None = None):
+    """``tree`` replicated over the first ``num_devices`` local devices (None: all), as ``greedy_evaluate``
+    places its inputs. Evaluating many batches with the same parameters, replicate them once with this:
+    arrays already placed so are used as they are, where others are copied at every call."""
+    return _placed(tree, local_mesh(num_devices).devices.size)
+
+
 def _placed(args, num_devices: int):
     """``args`` replicated over the first ``num_devices`` local devices (a no-op where they already are):
     arrays committed to one device (e.g. restored from a checkpoint) cannot enter a program that runs

@@ -116,6 +116,15 @@ for model in ("pomo_mtl", "mvmoe_light"):      # the plain path, and the gate po
     params, inst = jax.device_put((perturbed_params(cfg), mixed_batch(8)), jax.devices()[0])
     res = rollout.greedy_evaluate(cfg, params, inst, jax.random.key(4), pomo_size=N, chunk_size=5)
     out[model] = {k: np.asarray(getattr(res, k)).tolist() for k in ("obj", "obj_no_aug", "best_actions", "chunk_steps")}
+    if model == "pomo_mtl":     # parameters replicated once (as evaluate_dataset does) are used where they are
+        placed = rollout.replicated(params)
+        leaves, again = jax.tree.leaves(placed), jax.tree.leaves(rollout.replicated(placed))
+        out["replicated_devices"] = sorted({len(x.sharding.device_set) for x in leaves})
+        out["replicated_again_is_no_copy"] = all(
+            sa.data.unsafe_buffer_pointer() == sb.data.unsafe_buffer_pointer()
+            for a, b in zip(leaves, again) for sa, sb in zip(a.addressable_shards, b.addressable_shards))
+        res2 = rollout.greedy_evaluate(cfg, placed, inst, jax.random.key(4), pomo_size=N, chunk_size=5)
+        out["replicated_same_obj"] = bool(np.array_equal(res.obj, res2.obj))
 try:
     devices.use_cpu_cores_as_devices(3)
 except RuntimeError as e:
@@ -144,6 +153,7 @@ def test_greedy_evaluation_over_two_cpu_devices_equals_one_device():
             np.testing.assert_array_equal(np.asarray(out[model][field]), np.asarray(getattr(one, field)),
                                           err_msg=f"{model} {field}")
     assert "already started with 2" in out["late"]
+    assert out["replicated_devices"] == [2] and out["replicated_again_is_no_copy"] and out["replicated_same_obj"]
 
 
 def test_largest_divisor_at_most():
