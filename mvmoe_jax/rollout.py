@@ -334,7 +334,7 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     Compiled once per (cfg, shapes, options); ``compile_greedy_evaluate`` compiles ahead of the first call.
     """
     num_devices = local_mesh(num_devices).devices.size
-    params, inst, rng = _placed((params, inst, rng), num_devices)
+    params, inst, rng = replicated((params, inst, rng), num_devices)
     return _greedy_evaluate(cfg, params, inst, rng, pomo_size=pomo_size, augment=augment, chunk_size=chunk_size,
                             num_devices=num_devices)
 
@@ -344,25 +344,20 @@ def compile_greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.
     """``greedy_evaluate`` compiled for the shapes of (params, inst, rng) (for timing compilation apart):
     a function (params, inst, rng) -> GreedyResult for batches of those shapes."""
     num_devices = local_mesh(num_devices).devices.size
-    compiled = _greedy_evaluate.lower(cfg, *_placed((params, inst, rng), num_devices), pomo_size=pomo_size,
+    compiled = _greedy_evaluate.lower(cfg, *replicated((params, inst, rng), num_devices), pomo_size=pomo_size,
                                       augment=augment, chunk_size=chunk_size, num_devices=num_devices).compile()
-    return lambda params, inst, rng: compiled(*_placed((params, inst, rng), num_devices))
+    return lambda params, inst, rng: compiled(*replicated((params, inst, rng), num_devices))
 
 
 def replicated(tree, num_devices: int | None = None):
     """``tree`` replicated over the first ``num_devices`` local devices (None: all), as ``greedy_evaluate``
-    places its inputs. Evaluating many batches with the same parameters, replicate them once with this:
-    arrays already placed so are used as they are, where others are copied at every call."""
-    return _placed(tree, local_mesh(num_devices).devices.size)
-
-
-def _placed(args, num_devices: int):
-    """``args`` replicated over the first ``num_devices`` local devices (a no-op where they already are):
-    arrays committed to one device (e.g. restored from a checkpoint) cannot enter a program that runs
-    on several."""
-    if num_devices == 1:
-        return args
-    return jax.device_put(args, NamedSharding(local_mesh(num_devices), P()))
+    places its inputs; a no-op for arrays already placed so, and on one device. Arrays committed to one
+    device (e.g. restored from a checkpoint) cannot enter a program that runs on several. Evaluating many
+    batches with the same parameters, replicate them once with this rather than at every call."""
+    mesh = local_mesh(num_devices)
+    if mesh.devices.size == 1:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 @partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size", "num_devices"))

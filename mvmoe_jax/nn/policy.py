@@ -293,26 +293,16 @@ class Policy(nn.Module):
             cache = self.with_query_scores(cache)
         if not cfg.uses_fused_readout:
             return cache
-        maps, biases = self._combine_maps()                                               # (M, D, D), (M, D)
         emb = embeddings.astype(cfg.dtype)
         n = embeddings.shape[-2]
         readouts, readout_biases = [], []
-        for lo, hi in self._map_groups(maps.shape[0]):
-            readout = jnp.einsum("mdo,bno->bdmn", maps[lo:hi].astype(cfg.dtype), emb,
-                                 preferred_element_type=jnp.float32)
-            bias = jnp.einsum("mo,bno->bmn", biases[lo:hi].astype(cfg.dtype), emb,
-                              preferred_element_type=jnp.float32)
-            pad = padded_readout_nodes(n, (hi - lo,)) - n
+        for maps, biases in self._map_groups():                                          # (M_g, D, D), (M_g, D)
+            readout = jnp.einsum("mdo,bno->bdmn", maps.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
+            bias = jnp.einsum("mo,bno->bmn", biases.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
+            pad = padded_readout_nodes(n, (maps.shape[0],)) - n
             readouts.append(jnp.pad(readout, ((0, 0), (0, 0), (0, 0), (0, pad))))
             readout_biases.append(jnp.pad(bias, ((0, 0), (0, 0), (0, pad))))
         return cache.replace(readout=tuple(readouts), readout_bias=tuple(readout_biases))
-
-    def _map_groups(self, num_maps: int) -> tuple[tuple[int, int], ...]:
-        """The [lo, hi) ranges of the stacked combining maps that one step applies together: MVMoE-L's
-        dense map alone or its experts; otherwise all of them."""
-        if self.cfg.hierarchical:
-            return ((0, 1), (1, num_maps))
-        return ((0, num_maps),)
 
     def with_query_scores(self, cache: DecoderCache) -> DecoderCache:
         """``cache`` with node_scores and feature_scores (see DecoderCache): the query fusion added to a
@@ -330,17 +320,17 @@ class Policy(nn.Module):
         feature_scores = jnp.einsum("fhd,bhjd->bhfj", feature_q, keys, preferred_element_type=jnp.float32)
         return cache.replace(node_scores=node_scores, feature_scores=feature_scores * scale)
 
-    def _combine_maps(self) -> tuple[jax.Array, jax.Array]:
-        """The combining projection's linear maps stacked (M, D, D) and biases (M, D): dense [0],
-        experts [0..E-1], or MVMoE-L's dense [0] then experts [1..E]."""
+    def _map_groups(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """The combining projection's linear maps (M_g, D, D) and biases (M_g, D), one pair per group of
+        maps that a step applies together: the dense map; the E experts; or MVMoE-L's dense map and its
+        experts (the two branches of its gate)."""
         params = self.multi_head_combine.variables["params"]
         if self.cfg.hierarchical:
             dense, moe = params["multi_head_combine_dense"], params["multi_head_combine_moe"]
-            return (jnp.concatenate([dense["kernel"][None], moe["experts_w"]]),
-                    jnp.concatenate([dense["bias"][None], moe["experts_b"]]))
+            return (dense["kernel"][None], dense["bias"][None]), (moe["experts_w"], moe["experts_b"])
         if self.cfg.moe_at("Dec"):
-            return params["experts_w"], params["experts_b"]
-        return params["kernel"][None], params["bias"][None]
+            return ((params["experts_w"], params["experts_b"]),)
+        return ((params["kernel"][None], params["bias"][None]),)
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
                gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True):
