@@ -158,7 +158,52 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
             "fused_query": cfg.fused_query,
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
             "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,
-            "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj))}
+            "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj)),
+            "program_memory_bytes": compiled.memory_bytes()}
+
+
+def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
+                   chunk_size: int | None = None, backward: str = "auto", **cfg_kw) -> int:
+    """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
+    if mode == "infer":
+        cfg, params, _ = load_weights(model, size, weights, **cfg_kw)
+        inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
+        return rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=size,
+                                               augment=aug == 8, chunk_size=chunk_size).memory_bytes()
+    if cfg_kw:
+        raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
+    chunk, remat = default_replay()
+    return train_throughput.program_memory(model, size, size, batch, chunk, remat, backward=backward,
+                                           problems="CVRP")
+
+
+def default_memory_budget() -> int:
+    """Bytes a workload's program may take per device: 90% of an accelerator's memory, or on CPU half of
+    the physical memory shared out over the devices (the rest for the process, the peers and the OS)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(0.9 * stats["bytes_limit"])
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.5 * physical / jax.local_device_count())
+
+
+def largest_batch(mode: str, model: str, size: int, start: int, budget: int, max_batch: int,
+                  memory=program_memory, **kw) -> tuple[int, list[tuple[int, int]]]:
+    """The largest batch ``start * 2**k`` (at most ``max_batch``) whose program fits in ``budget`` bytes
+    per device, and the (batch, bytes) pairs tried. Compiles each candidate, runs none. ``start`` itself
+    must fit: a workload that does not fit at all is an error worth stopping for."""
+    tried = []
+    best, batch = None, start
+    while batch <= max_batch:
+        need = memory(mode, model, size, batch, **kw)
+        tried.append((batch, need))
+        if need > budget:
+            break
+        best, batch = batch, batch * 2
+    if best is None:
+        raise ValueError(f"{mode} {model} n={size}: batch {start} needs {need / 2**30:.2f} GiB per device, "
+                         f"over the budget of {budget / 2**30:.2f} GiB (--memory_budget_gb)")
+    return best, tried
 
 
 def default_replay(backend: str | None = None) -> tuple[int, bool]:
@@ -275,7 +320,13 @@ def main():
     p.add_argument("--size", type=int, help="one problem size (default: --sizes)")
     p.add_argument("--batch", type=int, help="one batch size (default: --batches)")
     p.add_argument("--sizes", default="20,50,100")
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--batches", default="1,16,64",
+                   help="comma list; 'max' adds the largest batch (doubling from the largest listed) whose "
+                        "compiled program fits --memory_budget_gb, up to --max_batch")
+    p.add_argument("--memory_budget_gb", type=float, default=None,
+                   help="per-device memory a program may take for 'max' (default: 90%% of an accelerator's "
+                        "memory; on CPU half the physical memory over the devices)")
+    p.add_argument("--max_batch", type=int, default=1024, help="the largest batch 'max' tries")
     p.add_argument("--aug", type=int, default=8, choices=[1, 8])
     p.add_argument("--weights", default="auto",
                    help="auto (the reference fixture checkpoints in ../shared when present, else random) | "
@@ -326,7 +377,13 @@ def main():
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     models = [args.model] if args.model else list(MODELS)
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",")]
-    batches = [args.batch] if args.batch else [int(b) for b in args.batches.split(",")]
+    try:
+        batches = [args.batch] if args.batch else [b if b == "max" else int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches must list positive integers and optionally 'max', got {args.batches!r}")
+    if any(b != "max" and b < 1 for b in batches):
+        p.error(f"--batches must list positive integers and optionally 'max', got {args.batches!r}")
+    budget = int(args.memory_budget_gb * 2**30) if args.memory_budget_gb else default_memory_budget()
     modes = ["infer", "train"] if args.mode == "both" else [args.mode]
     peak = peak_at_start = matmul_peak_gflops()
     load_before = os.getloadavg()[0]
@@ -337,11 +394,27 @@ def main():
     for mode in modes:
         for model in models:
             for size in sizes:
-                for batch in batches:
-                    extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                        if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
+                extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
+                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
+                listed = [b for b in batches if b != "max"]
+                search = None
+                if "max" in batches:
+                    top, tried = largest_batch(mode, model, size, max(listed, default=1), budget,
+                                               args.max_batch, **extra)
+                    search = {"budget_bytes": budget, "max_batch": args.max_batch, "largest": top,
+                              "tried": [{"batch": b, "program_memory_bytes": m} for b, m in tried]}
+                    print(f"{mode:5s} {MODELS[model]:11s} n={size:3d}: largest batch that fits "
+                          f"{budget / 2**30:.1f} GiB per device: {top} (tried "
+                          + ", ".join(f"{b}: {m / 2**30:.2f} GiB" for b, m in tried) + ")", flush=True)
+                    listed = sorted(set(listed) | {top})
+                    # The search compiled these programs: measured from jax's cache, their compilation
+                    # would read as nothing.
+                    jax.clear_caches()
+                for batch in listed:
                     row = run(mode, model, size, batch, peak, with_torch=args.torch, authors_code=args.authors,
                               rounds=args.rounds, **extra)
+                    if search and batch == search["largest"]:
+                        row["largest_batch_search"] = search
                     rows.append(row)
                     peak = row.get("matmul_peak_gflops", peak)
                     print(f"{mode:5s} {MODELS[model]:11s} n={size:3d} batch={batch:4d}: "
@@ -368,7 +441,7 @@ def print_table(rows: list[dict]) -> None:
     torch = any("torch" in r for r in rows)
     authors = any("authors" in r for r in rows)
     head = "| mode | model | n | batch | weights | decode steps | instances/s | seconds | compile s | GFLOP/s | " \
-           "% of peak | x FLOP limit |"
+           "% of peak | x FLOP limit | program MiB |"
     if authors:
         head += " authors s | authors steps | speed-up |"
     if torch:
@@ -381,7 +454,8 @@ def print_table(rows: list[dict]) -> None:
                 f"{'random' if str(r.get('weights', 'random')).startswith('random') else 'trained'} | "
                 f"{r.get('decode_steps', '')} | {r['instances_per_second']:.2f} | {r['seconds']:.3f} | "
                 f"{r['compile_seconds']:.1f} | {r.get('achieved_gflops', nan):.1f} | "
-                f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} |")
+                f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} | "
+                f"{r.get('program_memory_bytes', nan) / 2**20:.0f}{'*' if 'largest_batch_search' in r else ''} |")
         if authors:
             a = r.get("authors", {})
             line += (f" {a.get('seconds', a.get('seconds_per_step', nan)):.2f} | {a.get('decode_steps', '')} | "
@@ -391,6 +465,8 @@ def print_table(rows: list[dict]) -> None:
             line += (f" {t.get('seconds', t.get('seconds_per_step', nan)):.2f} | {t.get('decode_steps', '')} | "
                      f"{r.get('speedup_vs_torch', nan):.1f}x |")
         print(line)
+    if any("largest_batch_search" in r for r in rows):
+        print("\n\\* the largest batch whose program fits the memory budget (--batches=...,max)")
 
 
 if __name__ == "__main__":

@@ -25,13 +25,10 @@ from mvmoe_jax import checkpoints, devices, training, training_loop  # noqa: E40
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
-def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
-            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
-            weights: str | None = None) -> dict:
-    """``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
-    (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
-    Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
-    (an untrained policy returns to the depot far more often)."""
+def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
+               backward: str = "auto", problems: str | None = None):
+    """(config, plan, step functions) of a training run of configs/<config_name>.py at this size and
+    batch, data parallel over as many devices as split the batch evenly (all of them, usually)."""
     config = importlib.import_module(f"configs.{config_name}").get_config()
     if problems:
         config.train_problems = problems
@@ -39,9 +36,29 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
     config.backward = backward
     plan = training_loop.check_config(config)
-    # Data parallel over as many devices as split the batch evenly (all of them, for the usual sizes).
     num_devices = devices.largest_divisor_at_most(len(jax.devices()), batch)
     fns = training_loop.step_functions(config, plan, devices.make_mesh(jax.devices()[:num_devices]))
+    return config, plan, fns
+
+
+def program_memory(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
+                   backward: str = "auto", problems: str | None = None) -> int:
+    """Per-device memory of a training step at this batch, from the compiled programs (compiled, not run;
+    see ``StepFunctions.memory_bytes``)."""
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems)
+    state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
+    return fns.memory_bytes(state, fns.batch(jax.random.key(0), batch), jax.random.key(0))
+
+
+def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
+            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
+            weights: str | None = None) -> dict:
+    """``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
+    (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
+    Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
+    (an untrained policy returns to the depot far more often)."""
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems)
+    num_devices = fns.num_devices
     t0 = time.perf_counter()
     if weights:
         _, params = checkpoints.load_policy(weights, plan.policy)
@@ -88,13 +105,15 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     step_s = float(np.mean([a + b for a, b in timed])) if timed else float("nan")
     sample_s = float(np.mean([a for a, _ in timed])) if timed and fns.replays else None
     update_s = float(np.mean([b for _, b in timed])) if timed and fns.replays else None
+    # The compiled step's memory (a cache hit: the steps above compiled it), at the longest replay seen.
+    memory = fns.memory_bytes(state, inst, k_roll, max(seen) if fns.replays else None)
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
             "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
             "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
-            "compile_seconds": compile_s, "compiled_lengths": sorted(seen)}
+            "compile_seconds": compile_s, "compiled_lengths": sorted(seen), "program_memory_bytes": memory}
 
 
 def split(row: dict) -> str:

@@ -1,4 +1,5 @@
-"""Which devices a run uses: the one-axis data mesh, and a CPU's cores presented as separate devices.
+"""Which devices a run uses: the one-axis data mesh, and a CPU's cores presented as separate devices;
+and how much memory a compiled program needs on each.
 
 Why split a CPU: a decoding step is many small operations. XLA:CPU runs one program's operations one
 after another, each spread over the cores, and the cores wait on each other between them; on a 2-core
@@ -77,3 +78,10 @@ def local_mesh(num_devices: int | None = None) -> Mesh:
     if not 1 <= n <= len(local):
         raise ValueError(f"num_devices must be between 1 and the {len(local)} local devices, got {n}")
     return make_mesh(local[:n])
+
+
+def program_memory_bytes(compiled) -> int:
+    """Device memory a compiled program needs, from XLA's memory analysis: its arguments, outputs and
+    temporaries (less the outputs that reuse donated arguments). Per device for a multi-device program."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

@@ -8,7 +8,9 @@ variants pad the shorter start lists; padded starts are flagged invalid and neve
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import env
-from mvmoe_jax.devices import DATA_AXIS, local_mesh
+from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
 from mvmoe_jax.instances import BACKHAUL_RATIO, Instance, augment_8
 from mvmoe_jax.nn.policy import DecoderCache, Policy, PolicyConfig
 
@@ -217,19 +219,27 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
 
 # On CPU a decoding step whose working set (attention weights, masks, readout scores) stays in cache runs
 # about twice as fast per trajectory as one over a whole augmented batch, while fewer, larger chunks pay
-# the per-step fixed costs less often. Measured with MVMoE/4E on a 2-core x86 CPU: ~800 trajectories per
-# chunk was fastest both at n = 50 (16 instances x 50 starts; 4 or 64 instances clearly slower) and at
-# n = 100 (8 x 100; 3 or 16 slower).
+# the per-step fixed costs less often. The working set per trajectory grows with the nodes, so the best
+# chunk shrinks with the size. Measured on a 2-core Xeon with the cores as two devices (each decoding its
+# own chunks), greedy x8, same objectives for every chunk size (2026-11-27): at n = 50, 4 to 16 instances
+# (200-800 trajectories) tie; at n = 100 one instance (100 trajectories) ran 1.2-1.4x faster than 8 for all
+# three models (MVMoE/4E, 16 instances: 3.6 against 5.1-5.7 s; 2 and 4 in between), and one instance solved
+# alone (latency) in 0.24 against 0.28-0.31 s for 4; at n = 200 one and two instances tie, 1.4x faster than
+# four. Hence 800 trajectories up to 50 starts, falling with the cube of the starts beyond.
 CPU_TRAJECTORIES_PER_CHUNK = 800
+CPU_CHUNK_REFERENCE_STARTS = 50
 
 
 def default_chunk_size(pomo_size: int) -> int | None:
-    """Instances per sequentially decoded chunk in ``greedy_evaluate``: about
-    ``CPU_TRAJECTORIES_PER_CHUNK / starts`` on CPU; None (the whole batch at once) on accelerators, whose
-    throughput grows with the batch."""
+    """Instances per sequentially decoded chunk in ``greedy_evaluate``: on CPU ``CPU_TRAJECTORIES_PER_CHUNK``
+    trajectories at up to ``CPU_CHUNK_REFERENCE_STARTS`` starts (16 instances at n = 50), fewer beyond (one
+    instance from n = 100 on); None (the whole batch at once) on accelerators, whose throughput grows
+    with the batch."""
     if jax.default_backend() != "cpu":
         return None
-    return max(1, CPU_TRAJECTORIES_PER_CHUNK // max(pomo_size, 1))
+    starts = max(pomo_size, 1)
+    shrink = min(1.0, (CPU_CHUNK_REFERENCE_STARTS / starts) ** 3)
+    return max(1, int(CPU_TRAJECTORIES_PER_CHUNK * shrink) // starts)
 
 
 @struct.dataclass
@@ -340,13 +350,29 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
 
 
 def compile_greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                            augment: bool = True, chunk_size: int | None = None, num_devices: int | None = None):
+                            augment: bool = True, chunk_size: int | None = None,
+                            num_devices: int | None = None) -> "CompiledGreedyEvaluate":
     """``greedy_evaluate`` compiled for the shapes of (params, inst, rng) (for timing compilation apart):
-    a function (params, inst, rng) -> GreedyResult for batches of those shapes."""
+    called as (params, inst, rng) -> GreedyResult for batches of those shapes."""
     num_devices = local_mesh(num_devices).devices.size
     compiled = _greedy_evaluate.lower(cfg, *replicated((params, inst, rng), num_devices), pomo_size=pomo_size,
                                       augment=augment, chunk_size=chunk_size, num_devices=num_devices).compile()
-    return lambda params, inst, rng: compiled(*replicated((params, inst, rng), num_devices))
+    return CompiledGreedyEvaluate(compiled, num_devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGreedyEvaluate:
+    """A compiled greedy evaluation: call it as ``greedy_evaluate`` for batches of the shapes it was
+    compiled for; ``memory_bytes()`` is what the program needs on each device."""
+
+    compiled: Any                 # jax.stages.Compiled
+    num_devices: int
+
+    def __call__(self, params, inst: Instance, rng: jax.Array) -> GreedyResult:
+        return self.compiled(*replicated((params, inst, rng), self.num_devices))
+
+    def memory_bytes(self) -> int:
+        return program_memory_bytes(self.compiled)
 
 
 def replicated(tree, num_devices: int | None = None):

@@ -48,7 +48,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import problems
-from mvmoe_jax.devices import DATA_AXIS, make_mesh  # noqa: F401  (make_mesh: part of this module's API)
+from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
@@ -454,6 +454,20 @@ class StepFunctions:
         ``sample_and_train_step``, which refuses the replay)."""
         self.check_batch_size(inst.locs.shape[0])
         return self._sample_and_update(state, jax.device_put(inst, self.batch_sharding), rng)
+
+    def memory_bytes(self, state: TrainState, inst: Instance, rng: jax.Array, num_steps: int | None = None) -> int:
+        """Device memory (per device) of this batch shape's training step, from XLA's memory analysis of
+        the compiled programs (compiled here unless already, as a call would): the one-program step, or for
+        the replay the larger of the sampling program and the update at ``num_steps`` (default: the
+        longest replay)."""
+        self.check_batch_size(inst.locs.shape[0])
+        inst = jax.device_put(inst, self.batch_sharding)
+        if not self.replays:
+            return program_memory_bytes(self._sample_and_update.lower(state, inst, rng).compile())
+        traj = jax.eval_shape(self._sample, state.params, inst, rng)
+        sample = program_memory_bytes(self._sample.lower(state.params, inst, rng).compile())
+        update = self._update.lower(state, inst, traj, rng, num_steps=num_steps or self.max_steps).compile()
+        return max(sample, program_memory_bytes(update))
 
     def step(self, state: TrainState, key: jax.Array, size: int) -> tuple[TrainState, dict]:
         """A whole training step on a fresh batch drawn from ``key`` (deterministic in ``key``)."""

@@ -30,6 +30,54 @@ def test_throughput_contract(tmp_path):
     assert res["flops_per_instance"] > 0 and 0 < res["fraction_of_matmul_peak"]
     assert res["seconds_over_flop_limit"] > 1.0      # nothing runs faster than its FLOPs at the peak
     assert res["decode_steps"] >= 20 and res["weights"]
+    # XLA's memory analysis of the program: at least its arguments, the parameters among them.
+    from mvmoe_jax import training
+    from mvmoe_jax.nn.policy import PolicyConfig
+    import jax
+    params = training.init_params(PolicyConfig(model="pomo_mtl"), jax.random.key(0))
+    assert res["program_memory_bytes"] >= 4 * sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_throughput_finds_the_largest_batch_that_fits(tmp_path):
+    """--batches=...,max doubles the batch from the largest listed while the compiled program fits the memory
+    budget and the batch is at most --max_batch, then measures the largest found (here the cap, 4)."""
+    out = tmp_path / "m.json"
+    stdout = _run(["benchmarks/throughput.py", "--model=pomo_mtl", "--size=20", "--batches=2,max", "--max_batch=4",
+                   "--mode=infer", f"--output={out}"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 4]
+    search = rows[1]["largest_batch_search"]
+    assert search["largest"] == 4 and [t["batch"] for t in search["tried"]] == [2, 4]
+    assert search["tried"][1]["program_memory_bytes"] > search["tried"][0]["program_memory_bytes"]
+    assert rows[1]["program_memory_bytes"] == search["tried"][1]["program_memory_bytes"]
+    assert "largest batch that fits" in stdout and rows[1]["compile_seconds"] > 0.5   # compiled afresh
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--batches=1,many"], cwd=REPO_ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--batches must list positive integers" in proc.stderr
+
+
+def test_largest_batch_search_stops_at_the_budget_and_the_cap():
+    throughput = _benchmarks_module("throughput")
+    need = lambda mode, model, size, batch, **kw: 100 + 10 * batch      # noqa: E731  (bytes per batch)
+    best, tried = throughput.largest_batch("infer", "mvmoe", 50, 1, budget=500, max_batch=1024, memory=need)
+    assert best == 32 and [b for b, _ in tried] == [1, 2, 4, 8, 16, 32, 64]
+    assert throughput.largest_batch("infer", "mvmoe", 50, 1, budget=500, max_batch=8, memory=need)[0] == 8
+    with pytest.raises(ValueError, match="batch 64 needs .* over the budget"):
+        throughput.largest_batch("train", "mvmoe", 50, 64, budget=500, max_batch=1024, memory=need)
+
+
+def test_training_program_memory_grows_with_the_batch():
+    """StepFunctions.memory_bytes from the compiled step: at least the optimiser state (parameters and
+    Adam's two moments), and more for a larger batch."""
+    train_throughput = _benchmarks_module("train_throughput")
+    small = train_throughput.program_memory("pomo_mtl", 20, 20, 2, chunk=2, remat=False, problems="CVRP")
+    large = train_throughput.program_memory("pomo_mtl", 20, 20, 8, chunk=2, remat=False, problems="CVRP")
+    from mvmoe_jax import training
+    from mvmoe_jax.nn.policy import PolicyConfig
+    import jax
+    n_params = sum(x.size for x in jax.tree.leaves(training.init_params(PolicyConfig(model="pomo_mtl"),
+                                                                         jax.random.key(0))))
+    assert small >= 3 * 4 * n_params and large > small
 
 
 def test_torch_peer_runs_rl4co_on_our_instances(tmp_path):
