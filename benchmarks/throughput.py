@@ -30,6 +30,7 @@ import platform
 import resource
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,14 +136,30 @@ def executed_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chun
     return total / num_instances
 
 
-def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
-                  chunk_size: int | None = None, **cfg_kw) -> dict:
+class InferWorkload(NamedTuple):
+    cfg: PolicyConfig
+    params: dict
+    weights_desc: str
+    inst: instances.Instance
+    compiled: rollout.CompiledGreedyEvaluate
+    compile_seconds: float
+
+
+def compile_infer(model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
+                  chunk_size: int | None = None, **cfg_kw) -> InferWorkload:
+    """The inference workload's weights, instances and compiled greedy evaluation (timed)."""
     cfg, params, weights_desc = load_weights(model, size, weights, **cfg_kw)
     inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
-    run_kw = dict(pomo_size=size, augment=aug == 8, chunk_size=chunk_size)
     t0 = time.perf_counter()
-    compiled = rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), **run_kw)
-    compile_s = time.perf_counter() - t0
+    compiled = rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=size,
+                                               augment=aug == 8, chunk_size=chunk_size)
+    return InferWorkload(cfg, params, weights_desc, inst, compiled, time.perf_counter() - t0)
+
+
+def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
+                  chunk_size: int | None = None, **cfg_kw) -> dict:
+    cfg, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
+                                                                         chunk_size, **cfg_kw)
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
     seconds = min(_timed(lambda: jax.block_until_ready(compiled(params, inst, jax.random.key(r))))
                   for r in range(repeats))
@@ -166,10 +183,7 @@ def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, w
                    chunk_size: int | None = None, backward: str = "auto", **cfg_kw) -> int:
     """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
     if mode == "infer":
-        cfg, params, _ = load_weights(model, size, weights, **cfg_kw)
-        inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
-        return rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=size,
-                                               augment=aug == 8, chunk_size=chunk_size).memory_bytes()
+        return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()

@@ -30,12 +30,15 @@ def test_throughput_contract(tmp_path):
     assert res["flops_per_instance"] > 0 and 0 < res["fraction_of_matmul_peak"]
     assert res["seconds_over_flop_limit"] > 1.0      # nothing runs faster than its FLOPs at the peak
     assert res["decode_steps"] >= 20 and res["weights"]
-    # XLA's memory analysis of the program: at least its arguments, the parameters among them.
+    # XLA's memory analysis of the program: at least its arguments, the float32 parameters among them.
+    assert res["program_memory_bytes"] >= 4 * _parameter_count("pomo_mtl")
+
+
+def _parameter_count(model: str) -> int:
     from mvmoe_jax import training
     from mvmoe_jax.nn.policy import PolicyConfig
     import jax
-    params = training.init_params(PolicyConfig(model="pomo_mtl"), jax.random.key(0))
-    assert res["program_memory_bytes"] >= 4 * sum(x.size for x in jax.tree.leaves(params))
+    return sum(x.size for x in jax.tree.leaves(training.init_params(PolicyConfig(model=model), jax.random.key(0))))
 
 
 def test_throughput_finds_the_largest_batch_that_fits(tmp_path):
@@ -72,12 +75,7 @@ def test_training_program_memory_grows_with_the_batch():
     train_throughput = _benchmarks_module("train_throughput")
     small = train_throughput.program_memory("pomo_mtl", 20, 20, 2, chunk=2, remat=False, problems="CVRP")
     large = train_throughput.program_memory("pomo_mtl", 20, 20, 8, chunk=2, remat=False, problems="CVRP")
-    from mvmoe_jax import training
-    from mvmoe_jax.nn.policy import PolicyConfig
-    import jax
-    n_params = sum(x.size for x in jax.tree.leaves(training.init_params(PolicyConfig(model="pomo_mtl"),
-                                                                         jax.random.key(0))))
-    assert small >= 3 * 4 * n_params and large > small
+    assert small >= 3 * 4 * _parameter_count("pomo_mtl") and large > small
 
 
 def test_torch_peer_runs_rl4co_on_our_instances(tmp_path):
