@@ -320,11 +320,12 @@ def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: st
     import authors_peer  # benchmarks/authors_peer.py; needs torch and a checkout of their code
 
     weights = weights or "random"
+    device = "cpu" if jax.default_backend() == "cpu" else "cuda"      # their code runs where ours does
     if mode == "infer":
         inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
         return authors_peer.authors_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), code, aug=aug,
-                                          weights=weights)
-    return authors_peer.authors_train(model, size, batch, code, weights=weights)
+                                          weights=weights, device=device)
+    return authors_peer.authors_train(model, size, batch, code, weights=weights, device=device)
 
 
 def main():
@@ -368,6 +369,9 @@ def main():
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
     devices.use_cpu_cores_as_devices(args.cpu_devices)
+    if args.authors or args.torch:
+        # On a GPU, JAX would otherwise reserve most of its memory at start, leaving the peers little.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     kw = {}
     if args.dispatch:

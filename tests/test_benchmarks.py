@@ -142,6 +142,19 @@ def test_authors_peer_rejects_a_folder_that_is_not_the_authors_code(tmp_path):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), None)
 
 
+def test_authors_peer_device_errors_name_the_problem():
+    """--device: only cpu or cuda, and cuda only where torch sees a GPU (a stand-in torch without one)."""
+    import types
+
+    authors_peer = _authors_peer()
+    no_gpu = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: False))
+    assert authors_peer._check_device(no_gpu, "cpu") == "cpu"
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        authors_peer._check_device(no_gpu, "cuda")
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        authors_peer._check_device(no_gpu, "tpu")
+
+
 def test_per_step_speedup_normalises_by_decoding_steps():
     throughput = _benchmarks_module("throughput")
     ours = {"seconds": 2.0, "decode_steps": [60, 62, 64]}          # training: one count per timed step

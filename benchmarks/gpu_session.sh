@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU measurements of issue 5 in one command, for a lent GPU machine (the device tool) or any CUDA host.
+#
+#   bash benchmarks/gpu_session.sh OUT_DIR
+#
+# Runs, in order of importance, each step under its own time limit and all within DEADLINE_S seconds
+# (a step that no longer fits is skipped, and says so):
+#   1. ours: greedy x8 inference of B instances of n = N (default 1,000 CVRP instances of n = 100), MVMoE/4E
+#   2. ours: training MVMoE/4E at n = N, batches TRAIN_BATCHES (full optimiser steps)
+#   3. the authors' PyTorch code on the same GPU: the same inference, and training at the first batch
+#   4. ours with full float32 matmuls (JAX_DEFAULT_MATMUL_PRECISION=float32; JAX's default on recent
+#      NVIDIA GPUs is TF32, torch's is full float32), then the per-instance parity tests against the
+#      original implementation's greedy results on this GPU, then POMO-MTL and MVMoE/4E-L, then bfloat16,
+#      the MoE dispatch strategies, stepwise training, n = 50 batch 64 and one instance of n = 100
+# Each step's JSON and log go to OUT_DIR/results.tgz (refreshed after every step), a summary to
+# OUT_DIR/log.txt. Needs: python3 with jax[cuda], flax, optax, orbax-checkpoint, chex, ml_collections,
+# torch (for step 3); the authors' checkout in AUTHORS (default .gpu/Routing-MVMoE) and the reference
+# fixtures in ../shared/fixtures/torch-reference (or FIXTURES, copied there) for trained weights.
+set -u
+OUT_DIR=${1:-/tmp/gpu_session}
+N=${N:-100}
+B=${B:-1000}
+TRAIN_BATCHES=${TRAIN_BATCHES:-128,512}
+AUTHORS=${AUTHORS:-.gpu/Routing-MVMoE}
+FIXTURES=${FIXTURES:-.gpu/torch-reference}
+DEADLINE_S=${DEADLINE_S:-540}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT_DIR"
+RES=$(mktemp -d)
+LOG="$OUT_DIR/log.txt"
+: > "$LOG"
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND under min(LIMIT_S, time left), its output in RES/NAME.log
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE_S - SECONDS))
+  if [ "$left" -lt 25 ]; then say "=== $name: skipped (${left} s left)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  say "=== $name (limit ${limit} s, at ${SECONDS} s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  say "--- $name: rc=$rc in $((SECONDS - t0)) s"
+  grep -E "^\| (infer|train) |inst/s|instances_per_second|passed|failed|Error|error:" "$RES/$name.log" \
+    | grep -v "^\s*$" | tail -n 12 | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && tail -n 25 "$RES/$name.log" | tee -a "$LOG"
+  tar czf "$OUT_DIR/results.tgz" -C "$RES" .
+}
+
+if [ -d "$FIXTURES" ] && [ ! -d ../shared/fixtures/torch-reference ]; then
+  mkdir -p ../shared/fixtures && cp -r "$FIXTURES" ../shared/fixtures/torch-reference
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$LOG"
+$PY -c "import jax, flax, optax, chex, orbax.checkpoint as o, ml_collections, numpy; \
+print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'chex', chex.__version__, \
+'numpy', numpy.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
+$PY -c "import torch; print('torch', torch.__version__, torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+
+T="$PY benchmarks/throughput.py"
+A="$PY benchmarks/authors_peer.py --code=$AUTHORS --device cuda --model mvmoe"
+step infer_mvmoe 150 $T --model=mvmoe --size=$N --batch=$B --mode=infer --output=$RES/infer_mvmoe.json
+step train_mvmoe 200 $T --model=mvmoe --size=$N --batches=$TRAIN_BATCHES --mode=train --output=$RES/train_mvmoe.json
+step authors_infer 90 $A --size $N --batch $B --mode infer --repeats 2 --output $RES/authors_infer.json
+step authors_train 90 $A --size $N --batch "${TRAIN_BATCHES%%,*}" --mode train --steps 3 \
+  --output $RES/authors_train.json
+step infer_mvmoe_f32 100 env JAX_DEFAULT_MATMUL_PRECISION=float32 $T --model=mvmoe --size=$N --batch=$B \
+  --mode=infer --output=$RES/infer_mvmoe_f32.json
+step parity 150 $PY -m pytest -p no:cacheprovider -n 0 -q tests/test_inference_parity.py -k per_instance
+step infer_pomo_mtl 100 $T --model=pomo_mtl --size=$N --batch=$B --mode=infer --output=$RES/infer_pomo_mtl.json
+step infer_mvmoe_light 100 $T --model=mvmoe_light --size=$N --batch=$B --mode=infer \
+  --output=$RES/infer_mvmoe_light.json
+step infer_mvmoe_bf16 100 $T --model=mvmoe --size=$N --batch=$B --mode=infer --compute_dtype=bfloat16 \
+  --output=$RES/infer_mvmoe_bf16.json
+for d in grouped sparse einsum; do
+  step infer_mvmoe_$d 100 $T --model=mvmoe --size=$N --batch=$B --mode=infer --dispatch=$d \
+    --output=$RES/infer_mvmoe_$d.json
+done
+step train_mvmoe_stepwise 150 $T --model=mvmoe --size=$N --batch="${TRAIN_BATCHES%%,*}" --mode=train \
+  --backward=stepwise --output=$RES/train_mvmoe_stepwise.json
+step infer_n50_b64 100 $T --model=mvmoe --size=50 --batch=64 --mode=infer --output=$RES/infer_n50_b64.json
+step latency_n100 100 $T --model=mvmoe --size=100 --batch=1 --mode=infer --output=$RES/latency_n100.json
+say "=== done at ${SECONDS} s"
