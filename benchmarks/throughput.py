@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mvmoe_jax import checkpoints, devices, env, instances, rollout, training
+from mvmoe_jax import checkpoints, devices, env, instances, precision, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
@@ -157,7 +157,17 @@ def compile_infer(model: str, size: int, batch: int, aug: int = 8, weights: str 
 
 
 def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
-                  chunk_size: int | None = None, **cfg_kw) -> dict:
+                  chunk_size: int | None = None, matmul_precision: str | None = None, **cfg_kw) -> dict:
+    """Greedy x``aug`` inference at ``matmul_precision`` (None: evaluation's default, full float32)."""
+    prec = matmul_precision or precision.EVAL_DEFAULT
+    with precision.matmul_precision(prec):
+        row = _measure_infer(model, size, batch, aug, repeats, weights, chunk_size, **cfg_kw)
+    row["matmul_precision"] = prec
+    return row
+
+
+def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, weights: str,
+                   chunk_size: int | None, **cfg_kw) -> dict:
     cfg, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
                                                                          chunk_size, **cfg_kw)
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
@@ -180,15 +190,17 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
 
 
 def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
-                   chunk_size: int | None = None, backward: str = "auto", **cfg_kw) -> int:
+                   chunk_size: int | None = None, backward: str = "auto", matmul_precision: str | None = None,
+                   **cfg_kw) -> int:
     """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
     if mode == "infer":
-        return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
+        with precision.matmul_precision(matmul_precision or precision.EVAL_DEFAULT):
+            return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()
     return train_throughput.program_memory(model, size, size, batch, chunk, remat, backward=backward,
-                                           problems="CVRP")
+                                           problems="CVRP", matmul_precision=matmul_precision)
 
 
 def default_memory_budget() -> int:
@@ -221,8 +233,7 @@ def largest_batch(mode: str, model: str, size: int, start: int, budget: int, max
 
 
 def default_replay(backend: str | None = None) -> tuple[int, bool]:
-    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``; the
-    default on accelerators): on CPU two steps at a time, recomputed in the backward pass (storing every
+    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``): on CPU two steps at a time, recomputed in the backward pass (storing every
     step's attention weights costs more memory traffic than recomputing them); on accelerators the
     configs' 8 steps at a time, stored."""
     return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
@@ -230,7 +241,7 @@ def default_replay(backend: str | None = None) -> tuple[int, bool]:
 
 def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
                   replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
-                  weights: str = "auto", **cfg_kw) -> dict:
+                  weights: str = "auto", matmul_precision: str | None = None, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
     batches of ``problems`` (CVRP by default: the inference workload's variant, and the one the peers
     train on; the decoding steps, hence the time, depend on the variant), from the parameters ``weights``
@@ -241,7 +252,8 @@ def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: s
     chunk = chunk if replay_chunk is None else replay_chunk
     remat = remat if replay_remat is None else replay_remat
     row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward,
-                                   problems=problems, weights=weights_path(model, weights))
+                                   problems=problems, weights=weights_path(model, weights),
+                                   matmul_precision=matmul_precision)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
@@ -353,8 +365,11 @@ def main():
     p.add_argument("--fused_readout", default=None, choices=["true", "false"])
     p.add_argument("--fused_query", default=None, choices=["true", "false"])
     p.add_argument("--compute_dtype", default=None, help="float32 | bfloat16")
+    p.add_argument("--matmul_precision", default=None, choices=precision.MATMUL_PRECISIONS,
+                   help="float32 matmuls on GPUs (mvmoe_jax/precision.py; default: the library's, full float32 "
+                        "for inference and tensorfloat32 for training); no effect on a CPU")
     p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
-                   help="training: how the gradient is taken (config.backward; auto = stepwise on CPU)")
+                   help="training: how the gradient is taken (config.backward; auto = stepwise)")
     p.add_argument("--torch", action="store_true",
                    help="also run RL4CO (pip install -e '.[torch]') on the same workloads, with the ratios")
     p.add_argument("--authors", default=os.environ.get("MVMOE_AUTHORS_CODE"), metavar="PATH",
@@ -414,6 +429,7 @@ def main():
             for size in sizes:
                 extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
                     if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
+                extra["matmul_precision"] = args.matmul_precision
                 listed = [b for b in batches if b != "max"]
                 search = None
                 if "max" in batches:

@@ -21,17 +21,20 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
-from mvmoe_jax import checkpoints, devices, training, training_loop  # noqa: E402
+from mvmoe_jax import checkpoints, devices, precision, training, training_loop  # noqa: E402
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
 def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
-               backward: str = "auto", problems: str | None = None):
+               backward: str = "auto", problems: str | None = None, matmul_precision: str | None = None):
     """(config, plan, step functions) of a training run of configs/<config_name>.py at this size and
-    batch, data parallel over as many devices as split the batch evenly (all of them, usually)."""
+    batch, data parallel over as many devices as split the batch evenly (all of them, usually).
+    ``matmul_precision``: the config's ``matmul_precision`` (training's; None keeps the config's)."""
     config = importlib.import_module(f"configs.{config_name}").get_config()
     if problems:
         config.train_problems = problems
+    if matmul_precision:
+        config.matmul_precision = matmul_precision
     config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
     config.backward = backward
@@ -42,22 +45,37 @@ def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, r
 
 
 def program_memory(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
-                   backward: str = "auto", problems: str | None = None) -> int:
+                   backward: str = "auto", problems: str | None = None,
+                   matmul_precision: str | None = None) -> int:
     """Per-device memory of a training step at this batch, from the compiled programs (compiled, not run;
     see ``StepFunctions.memory_bytes``)."""
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems)
-    state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
-    return fns.memory_bytes(state, fns.batch(jax.random.key(0), batch), jax.random.key(0))
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems,
+                                   matmul_precision)
+    with precision.matmul_precision(config.matmul_precision):
+        state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
+        return fns.memory_bytes(state, fns.batch(jax.random.key(0), batch), jax.random.key(0))
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
             max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
-            weights: str | None = None) -> dict:
+            weights: str | None = None, matmul_precision: str | None = None) -> dict:
     """``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
     (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
     Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
-    (an untrained policy returns to the depot far more often)."""
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems)
+    (an untrained policy returns to the depot far more often). ``matmul_precision``: training's (None: the
+    config's, as train.py runs it)."""
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems,
+                                   matmul_precision)
+    with precision.matmul_precision(config.matmul_precision):
+        row = _timed_steps(config_name, config, plan, fns, size, pomo, batch, steps, chunk, remat,
+                           max_compile_steps, weights)
+    row["matmul_precision"] = config.matmul_precision
+    return row
+
+
+def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batch: int, steps: int, chunk: int,
+                 remat: bool, max_compile_steps: int, weights: str | None) -> dict:
+    """The measurement of ``measure``: compile, then ``steps`` timed optimiser steps."""
     num_devices = fns.num_devices
     t0 = time.perf_counter()
     if weights:

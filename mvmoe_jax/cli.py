@@ -11,7 +11,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from mvmoe_jax import checkpoints, devices, evaluation, io, problems
+from mvmoe_jax import checkpoints, devices, evaluation, io, precision, problems
 from mvmoe_jax.nn.policy import PolicyConfig
 
 
@@ -65,7 +65,15 @@ def use_cpu_devices(count: int) -> int:
 def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:
     """Evaluate a checkpoint on the paper's datasets (``flags.data_dir``) or on CVRPLIB / Solomon files
     (``flags.vrplib_dir``). With ``config`` None the checkpoint's own model configuration is used.
-    Returns the JSON-ready results."""
+    Matmuls run at ``flags.matmul_precision``, else the config's ``eval_matmul_precision``, else full float32
+    (see mvmoe_jax/precision.py). Returns the JSON-ready results."""
+    prec = getattr(flags, "matmul_precision", None) or (
+        config.get("eval_matmul_precision", precision.EVAL_DEFAULT) if config is not None else precision.EVAL_DEFAULT)
+    with precision.matmul_precision(precision.check(prec)):
+        return _run_evaluation(config, flags)
+
+
+def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:
     wanted = None if config is None else policy_config(config.model)
     cfg, params = checkpoints.load_policy(flags.checkpoint, wanted)
     cfg = with_execution_flags(cfg, flags)

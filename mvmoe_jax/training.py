@@ -14,16 +14,18 @@ the stepwise backward one program, ``sample_and_train_step``, whose encoder pass
    MoE gating noise and MVMoE-L branch draws), so the log-likelihood they differentiate equals the
    sampling pass's (tested) and the gradient is the REINFORCE gradient of the sampled trajectories:
 
-   - ``stepwise_gradients`` (default on CPU): the loss is linear in each step's log-probability, so its
+   - ``stepwise_gradients`` (the default): the loss is linear in each step's log-probability, so its
      gradient is a sum of per-step vector-Jacobian products. A ``lax.while_loop`` over exactly the steps
      the batch needed runs each step under ``jax.vjp`` and accumulates the cotangents; one compilation
      serves every length, and there is no forward replay before the backward pass.
-   - ``replay`` (default on accelerators): the decoder is replayed as a whole and differentiated with
+   - ``replay``: the decoder is replayed as a whole and differentiated with
      ``jax.grad``, for a static number of steps T rounded up from the steps actually needed to a bucket
      (so only a handful of shapes ever compile). Since every step's inputs are known up front, the steps
      are independent: they run as one vmapped batch per chunk of ``replay_chunk`` steps (``lax.map``),
      which gives the accelerator large matmuls instead of T tiny sequential ones; ``replay_remat``
-     recomputes each chunk in the backward pass to bound memory.
+     recomputes each chunk in the backward pass to bound memory. Measured slower than stepwise on both
+     backends: 3.7 against 1.9 s per step on a 2-core CPU (MVMoE/4E, n = 50, batch 32), and 0.374 against
+     0.301 s on an H200 (n = 100, batch 512, 77 against 11 GB of program memory).
 
 Loss (reference ``Trainer._train_one_batch``): ``reward = -cost``; per instance the baseline is the mean
 reward over its valid POMO starts; ``loss = mean over valid (instance, start) of -(reward - baseline) *
@@ -291,7 +293,7 @@ class StepSettings:
 
     pomo_size: int
     aux_loss_coef: float
-    backward: str = "auto"      # auto | stepwise | replay; see resolved_backward
+    backward: str = "auto"      # auto (= stepwise) | stepwise | replay; see resolved_backward
     replay_chunk: int = 8
     replay_remat: bool = False
 
@@ -301,12 +303,10 @@ class StepSettings:
 
     @property
     def resolved_backward(self) -> str:
-        """``backward`` with ``auto`` resolved for the default backend: ``stepwise_gradients`` on CPU
-        (measured there: no forward replay and no padding to a bucket), ``replay`` on accelerators (its
-        vmapped steps give them large matmuls)."""
-        if self.backward != "auto":
-            return self.backward
-        return "stepwise" if jax.default_backend() == "cpu" else "replay"
+        """``backward`` with ``auto`` resolved: ``stepwise`` (``stepwise_gradients``), measured faster than
+        ``replay`` on a CPU and on a GPU (no forward replay, no padding to a bucket, and a fraction of the
+        memory; see the module docstring)."""
+        return "stepwise" if self.backward == "auto" else self.backward
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, problems, training
+from mvmoe_jax import checkpoints, precision, problems, training
 from mvmoe_jax.cli import policy_config
 from mvmoe_jax.devices import largest_divisor_at_most, usable_cores, use_cpu_cores_as_devices
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
@@ -84,6 +84,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
              f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
     _require(config.backward in training.BACKWARDS,
              f"backward must be one of {', '.join(training.BACKWARDS)}, got {config.backward!r}")
+    for name in ("matmul_precision", "eval_matmul_precision"):
+        _require(config.get(name, "default") in precision.MATMUL_PRECISIONS,
+                 f"{name} must be one of {', '.join(precision.MATMUL_PRECISIONS)}, got {config.get(name)!r}")
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
     steps = math.ceil(config.train_episodes / config.batch_size)
     last = config.train_episodes - (steps - 1) * config.batch_size
@@ -225,8 +228,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None, stop_
             start_epoch = 0
             truncate_metrics(metrics_path, -1)
         state = fns.replicate(state)
-        return _run(config, plan, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
-                    stop_after_epoch)
+        with precision.matmul_precision(config.get("matmul_precision", precision.TRAIN_DEFAULT)):
+            return _run(config, plan, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
+                        stop_after_epoch)
     finally:
         mngr.wait_until_finished()
         mngr.close()
@@ -255,7 +259,9 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
 
     def validate(record):
         t0 = time.perf_counter()
-        record["val"] = validator(state.params)
+        # Validation is evaluation: at its precision (full float32 by default), not training's.
+        with precision.matmul_precision(config.get("eval_matmul_precision", precision.EVAL_DEFAULT)):
+            record["val"] = validator(state.params)
         record["time"]["validation_seconds"] = time.perf_counter() - t0
         _say(f"  validation: {_format_val(record['val'])}")
 
