@@ -15,10 +15,11 @@
 #   4. the per-instance parity tests against the original implementation's greedy results, on this GPU
 #   5. POMO-MTL and MVMoE/4E-L, bfloat16, the MoE dispatch strategies, the replay backward, n = 50 batch 64
 #      and one instance of n = 100
-# Each step's JSON and log go to OUT_DIR/results.tgz (refreshed after every step), a summary to
-# OUT_DIR/log.txt. Needs: python3 with jax[cuda], flax, optax, orbax-checkpoint, chex, ml_collections,
-# torch (for step 3); the authors' checkout in AUTHORS (default .gpu/Routing-MVMoE) and the reference
-# fixtures in ../shared/fixtures/torch-reference (or FIXTURES, copied there) for trained weights.
+# Each step's JSON and log go to OUT_DIR/results.tgz (refreshed after every step), a summary to OUT_DIR/log.txt.
+# Needs: python3 with jax[cuda], flax, optax, orbax-checkpoint, chex, ml_collections, torch (for step 3); the
+# authors' checkout in AUTHORS (default .gpu/Routing-MVMoE) and the reference fixtures in
+# ../shared/fixtures/torch-reference (or FIXTURES, copied there) for trained weights: benchmarks/gpu_prepare.sh
+# prepares both folders and the wheels.
 set -u
 OUT_DIR=${1:-/tmp/gpu_session}
 N=${N:-100}
