@@ -41,6 +41,7 @@ def _parameter_count(model: str) -> int:
     return sum(x.size for x in jax.tree.leaves(training.init_params(PolicyConfig(model=model), jax.random.key(0))))
 
 
+@pytest.mark.slow      # four compilations in a subprocess; the search itself is tested without them below
 def test_throughput_finds_the_largest_batch_that_fits(tmp_path):
     """--batches=...,max doubles the batch from the largest listed while the compiled program fits the memory
     budget and the batch is at most --max_batch, then measures the largest found (here the cap, 4)."""
@@ -54,9 +55,14 @@ def test_throughput_finds_the_largest_batch_that_fits(tmp_path):
     assert search["tried"][1]["program_memory_bytes"] > search["tried"][0]["program_memory_bytes"]
     assert rows[1]["program_memory_bytes"] == search["tried"][1]["program_memory_bytes"]
     assert "largest batch that fits" in stdout and rows[1]["compile_seconds"] > 0.5   # compiled afresh
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--batches=1,many"], cwd=REPO_ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "--batches must list positive integers" in proc.stderr
+
+
+def test_throughput_rejects_bad_batches_and_precisions():
+    for flag, message in (("--batches=1,many", "--batches must list positive integers"),
+                          ("--matmul_precision=fp8", "argument --matmul_precision: invalid choice")):
+        proc = subprocess.run([sys.executable, "benchmarks/throughput.py", flag], cwd=REPO_ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, (flag, proc.stderr[-300:])
 
 
 def test_largest_batch_search_stops_at_the_budget_and_the_cap():
