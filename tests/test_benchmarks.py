@@ -75,6 +75,7 @@ def test_largest_batch_search_stops_at_the_budget_and_the_cap():
         throughput.largest_batch("train", "mvmoe", 50, 64, budget=500, max_batch=1024, memory=need)
 
 
+@pytest.mark.slow      # two training compilations; test_env_and_train_benchmarks checks the figure's floor
 def test_training_program_memory_grows_with_the_batch():
     """StepFunctions.memory_bytes from the compiled step: at least the optimiser state (parameters and
     Adam's two moments), and more for a larger batch."""
@@ -103,6 +104,8 @@ def test_env_and_train_benchmarks(tmp_path):
           f"--output={out}"])
     row = json.loads(out.read_text())["rows"][0]
     assert row["instances_per_second"] > 0 and row["timed_steps"] == 1
+    # The compiled step's memory holds at least the parameters and Adam's two moments.
+    assert row["program_memory_bytes"] >= 3 * 4 * row["params"]
 
 
 def _benchmarks_module(name):
