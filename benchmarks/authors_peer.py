@@ -366,8 +366,7 @@ def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, 
         # As their Trainer._train_one_epoch: a new env of the (here only) training problem, a fresh batch
         # from its generator, then their _train_one_batch.
         env = authors.CVRPEnv(problem_size=size, pomo_size=size, device=torch.device(device))
-        # Their generator builds the batch on the CPU; on a GPU their Trainer expects it on the env's device.
-        data = tuple(x.to(device) for x in env.get_random_problems(batch, size))
+        data = env.get_random_problems(batch, size)        # on the default device (see _on_default_device)
         score, loss = authors.train_one_batch(trainer, data, env)
         _synchronize(torch, device)
         return score, loss, env
@@ -438,7 +437,6 @@ def main(argv=None) -> dict:
     if args.device == "cuda":
         # JAX only generates the workload here: on the CPU, so that it reserves none of the GPU's memory.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.device == "cuda":
         try:
             import torch
             _check_device(torch, args.device)

@@ -233,9 +233,9 @@ def largest_batch(mode: str, model: str, size: int, start: int, budget: int, max
 
 
 def default_replay(backend: str | None = None) -> tuple[int, bool]:
-    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``): on CPU two steps at a time, recomputed in the backward pass (storing every
-    step's attention weights costs more memory traffic than recomputing them); on accelerators the
-    configs' 8 steps at a time, stored."""
+    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``): on
+    CPU two steps at a time, recomputed in the backward pass (storing every step's attention weights costs
+    more memory traffic than recomputing them); on accelerators the configs' 8 steps at a time, stored."""
     return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
 
 

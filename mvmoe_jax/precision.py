@@ -30,10 +30,10 @@ EVAL_DEFAULT = "float32"
 TRAIN_DEFAULT = "tensorfloat32"
 
 
-def check(name: str) -> str:
-    """``name`` when it is one of MATMUL_PRECISIONS, else a ValueError listing them."""
+def check(name: str, what: str = "matmul precision") -> str:
+    """``name`` when it is one of MATMUL_PRECISIONS, else a ValueError naming ``what`` and listing them."""
     if name not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {name!r}")
+        raise ValueError(f"{what} must be one of {', '.join(MATMUL_PRECISIONS)}, got {name!r}")
     return name
 
 

@@ -85,8 +85,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     _require(config.backward in training.BACKWARDS,
              f"backward must be one of {', '.join(training.BACKWARDS)}, got {config.backward!r}")
     for name in ("matmul_precision", "eval_matmul_precision"):
-        _require(config.get(name, "default") in precision.MATMUL_PRECISIONS,
-                 f"{name} must be one of {', '.join(precision.MATMUL_PRECISIONS)}, got {config.get(name)!r}")
+        precision.check(config.get(name, "default"), what=name)
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
     steps = math.ceil(config.train_episodes / config.batch_size)
     last = config.train_episodes - (steps - 1) * config.batch_size
