@@ -106,6 +106,21 @@ def test_default_chunks_shrink_with_the_problem_size():
     assert all(c * p <= rollout.CPU_TRAJECTORIES_PER_CHUNK or c == 1 for c, p in zip(chunks, sizes))
 
 
+def test_encoder_groups_fill_a_token_budget_and_divide_the_chunks():
+    """The chunks a device decodes are encoded in groups: the largest divisor of their count within
+    CPU_ENCODER_TOKENS tokens, one chunk at least."""
+    budget = rollout.CPU_ENCODER_TOKENS
+    for num_chunks, chunk, nodes in [(16, 16, 51), (256, 1, 101), (13, 5, 11), (7, 3, 201), (4, 1, 101),
+                                     (1, 16, 51), (9, 400, 51)]:
+        group = rollout.encoder_group_size(num_chunks, chunk, nodes)
+        assert num_chunks % group == 0 and group >= 1
+        assert group == 1 or group * chunk * nodes <= budget
+        # Largest: no larger divisor fits.
+        assert all(num_chunks % g or g * chunk * nodes > budget for g in range(group + 1, num_chunks + 1))
+    assert rollout.encoder_group_size(9, 400, 51) == 1          # one chunk alone exceeds the budget
+    assert rollout.encoder_group_size(256, 1, 101) == 64
+
+
 def test_chunk_size_must_be_positive():
     cfg = small_config("pomo_mtl")
     params = training.init_params(cfg, jax.random.key(0), N)

@@ -414,6 +414,44 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_auto_dispatch_groups_mlp_experts_in_cpu_evaluation_only():
+    """``auto`` runs only the chosen experts (grouped) where that was measured faster: MLP experts, in
+    evaluation, on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments on; dense everywhere else. Explicit
+    strategies pass through."""
+    on_cpu = jax.default_backend() == "cpu"
+    big = M.AUTO_GROUPED_MIN_ASSIGNMENTS
+    resolve = functools.partial(M.resolve_dispatch, "auto")
+    assert resolve(expert_type="mlp", num_assignments=big, train=False) == ("grouped" if on_cpu else "dense")
+    assert resolve(expert_type="mlp", num_assignments=big - 1, train=False) == "dense"
+    assert resolve(expert_type="mlp", num_assignments=big, train=True) == "dense"
+    assert resolve(expert_type="linear", num_assignments=big, train=False) == "dense"
+    for explicit in M.DISPATCHES:
+        assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1, train=True) == explicit
+    assert M.group_block(M.GROUP_BLOCK_LARGE_FROM - 1) == M.GROUP_BLOCK
+    assert M.group_block(M.GROUP_BLOCK_LARGE_FROM) == M.GROUP_BLOCK_LARGE
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto groups the experts on a CPU only")
+def test_auto_dispatch_gives_the_dense_result_with_the_grouped_execution():
+    """A layer large enough for ``auto`` to group (and for the large blocks): the same outputs as dense, and
+    the grouped program is what runs (its blocks are a loop; dense has none)."""
+    tokens = M.GROUP_BLOCK_LARGE_FROM // 2 + 50
+    x = rand_x((tokens, 8), seed=31)
+    layers = {d: M.MoE(output_dim=5, hidden_dim=12, dispatch=d) for d in ("auto", "dense")}
+    params = init_moe(layers["dense"], x, seed=3, gate_scale=1.0)
+    y_auto, aux_auto = jax.jit(lambda p: layers["auto"].apply({"params": p}, x, False))(params)
+    y_dense, aux_dense = jax.jit(lambda p: layers["dense"].apply({"params": p}, x, False))(params)
+    np.testing.assert_allclose(y_auto, y_dense, rtol=1e-5, atol=1e-6)
+    assert float(aux_auto) == pytest.approx(float(aux_dense), rel=1e-6)
+
+    def has_loop(layer, train):
+        jaxpr = jax.make_jaxpr(lambda p: layer.apply({"params": p}, x, train, rngs={"gating": jax.random.key(0)}))
+        return "scan" in str(jaxpr(params))
+
+    assert has_loop(layers["auto"], False) and not has_loop(layers["dense"], False)
+    assert not has_loop(layers["auto"], True)          # training keeps the dense execution
+
+
 def test_gates_only_returns_the_gate_matrix_the_layer_mixes_with():
     x = rand_x((3, 4, 8), seed=21)
     moe = M.MoE(output_dim=5, expert_type="linear")

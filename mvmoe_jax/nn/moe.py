@@ -95,19 +95,21 @@ Reference behaviours reproduced
 
 Execution strategies (``dispatch``; input choice, random and expert choice)
 ---------------------------------------------------------------------------
-* ``'dense'`` (default): every expert runs on every unit and the outputs are mixed with the dense gate
-  matrix. No token is ever dropped. As cheap as a no-drop sparse dispatch (capacity = units means E*units
-  expert evaluations either way). For token choice the experts run side by side, weighted inside the
-  second matmul (``gated_experts_forward``), which on CPU beats running only the chosen experts.
+* ``'auto'`` (the policies' default): ``'grouped'`` for token choice's MLP experts in evaluation on a
+  CPU from ``AUTO_GROUPED_MIN_ASSIGNMENTS`` (unit, expert) assignments on, ``'dense'`` otherwise
+  (``resolve_dispatch``).
+* ``'dense'`` (the layer's default): every expert runs on every unit and the outputs are mixed with the
+  dense gate matrix. No token is ever dropped. As cheap as a no-drop sparse dispatch (capacity = units
+  means E*units expert evaluations either way). For token choice the experts run side by side, weighted
+  inside the second matmul (``gated_experts_forward``): two large matmuls, the accelerators' choice.
 * ``'sparse'``: GShard-style fixed-capacity expert buffers (E, C, ...), filled by scatter and read back
   by gather (memory O(E*C*d + units*k)). Assignments beyond an expert's capacity are dropped (zero
   output from that expert). Priority: all first choices (in unit order) before all second choices, etc.
 * ``'grouped'``: only the chosen experts run, and nothing is dropped: the (unit, expert) assignments are
-  sorted by expert into blocks of ``GROUP_BLOCK`` units, each block runs through its expert's weights
-  (a batched matmul over blocks), and the weighted outputs are summed back per unit
-  (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert,
-  but its small batched products run at a third of the matmul peak on CPU. Token choice only; elsewhere
-  it behaves as ``'sparse'``, and it ignores ``capacity_factor``.
+  sorted by expert into blocks of ``group_block`` units, each block runs through its expert's weights
+  (one block after another, the weights read in place), and the weighted outputs are summed back per unit
+  (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert.
+  Token choice only; elsewhere it behaves as ``'sparse'``, and it ignores ``capacity_factor``.
 * ``'einsum'``: the same routing expressed with Mesh-TensorFlow/GShard one-hot ``dispatch`` (units, E, C)
   and weighted ``combine`` (units, E, C) tensors (see ``dispatch_combine_tensors``). O(units*E*C) memory:
   for small inputs and for checking ``'sparse'``.
@@ -188,9 +190,42 @@ _EXPERT_TYPES = ("mlp", "linear")
 _ROUTINGS = ("input_choice", "expert_choice", "soft", "random")
 _LEVELS = ("node", "instance", "problem")
 DISPATCHES = ("dense", "sparse", "einsum", "grouped")
+# ``auto`` picks one of DISPATCHES per layer and input size (``resolve_dispatch``).
+AUTO_DISPATCH = "auto"
 # Units per block of the grouped execution: large enough for efficient matmuls on CPU, small enough that
-# the padding (< one block per expert) stays a small fraction of a decoding chunk's work.
+# the padding (< one block per expert) stays a small fraction of the work. Measured on one core of a
+# 2-core x86 CPU, MLP experts 128 -> 512 -> 128, top-2 of 4: blocks of 128 were fastest up to ~1,600
+# tokens, 256 from ~3,300 tokens on (58 against 64 ms at 6,528 tokens).
 GROUP_BLOCK = 128
+GROUP_BLOCK_LARGE = 256
+GROUP_BLOCK_LARGE_FROM = 6144          # assignments (tokens x k)
+# From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
+# padding blocks outweigh the saved work (one n = 100 instance is 202 assignments), and the side-by-side
+# dense execution is as fast. At an encoder call of 816 tokens (1,632 assignments) the two tie in
+# isolation, but the grouped one ran the whole n = 50 inference workload 1.15-1.25x faster: the dense
+# execution's (tokens, E x hidden) activations (6.7 MB) push the rest of the encoder out of cache.
+AUTO_GROUPED_MIN_ASSIGNMENTS = 1024
+
+
+def group_block(num_assignments: int) -> int:
+    """Units per block of ``grouped_experts_forward`` for this many assignments (see GROUP_BLOCK)."""
+    return GROUP_BLOCK_LARGE if num_assignments >= GROUP_BLOCK_LARGE_FROM else GROUP_BLOCK
+
+
+def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int, train: bool) -> str:
+    """The execution strategy ``dispatch`` names for one call: itself, or for ``auto`` ``grouped`` where it
+    was measured faster (MLP experts on a CPU in evaluation, from AUTO_GROUPED_MIN_ASSIGNMENTS
+    assignments), else ``dense``. Training keeps ``dense``: its encoder runs under differentiation, and
+    the grouped blocks' backward pass made a MVMoE/4E step slower (n = 50, batch 64 over two CPU cores:
+    3.76 against 3.44 s, median of 8 alternating steps). Accelerators keep ``dense``: a few large
+    matmuls, where the grouped blocks run one after another. Resolved at trace time (shapes, the mode and
+    the backend are static)."""
+    if dispatch != AUTO_DISPATCH:
+        return dispatch
+    if (expert_type == "mlp" and not train and jax.default_backend() == "cpu"
+            and num_assignments >= AUTO_GROUPED_MIN_ASSIGNMENTS):
+        return "grouped"
+    return "dense"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,8 +446,9 @@ def gated_experts_forward(params: Mapping[str, Array], x: Array, gates: Array, *
     [W2_e]_e + gates @ b2`` (hidden layers concatenated along features, (d, E*h) and (E*h, o)), and for
     linear experts ``sum_e gates_e (x @ [W_e]_e)`` + ``gates @ b``. The dense execution's FLOPs, but as two
     large plain matmuls instead of E small ones and an E-way mix: measured on a 2-core CPU, the encoder's
-    MLP-expert layer at 816 tokens ran in 5.5 ms this way, against 6.6 ms per expert and 7.6 ms grouped
-    (the grouped blocks' (128 x 128) @ (128 x 512) products reach ~60 GFLOP/s there).
+    MLP-expert layer at 816 tokens ran in 5.5 ms this way, against 6.6 ms per expert. Its (T, E*h)
+    activations grow with T out of a CPU's cache (one core: 12 ms at 816 tokens, 88 ms at 3,264), where
+    ``grouped_experts_forward`` keeps to blocks (31 ms at 3,264).
 
     Args:
       params: stacked expert parameters (see ``experts_forward``), leading axis E.
@@ -485,14 +521,20 @@ def grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_in
     x = units[slot_unit].astype(dtype)                                              # (L, R, d)
     x = x.reshape((num_blocks, block * x.shape[1], x.shape[2]))
 
-    def affine(h, w, b):
-        out = jnp.einsum("gnd,gdh->gnh", h, w[block_expert].astype(dtype), precision=precision)
-        return out + b[block_expert].astype(dtype)[:, None, :]
+    def run_block(args):
+        """One block through its expert; the expert's weights are read in place (a dynamic index), not
+        gathered into a (blocks, d, h) copy, which at thousands of units cost more than the products."""
+        h, e = args
 
-    if "w1" in params:
-        out = affine(jax.nn.relu(affine(x, params["w1"], params["b1"])), params["w2"], params["b2"])
-    else:
-        out = affine(x, params["w"], params["b"])
+        def affine(h, w, b):
+            w, b = jnp.asarray(w)[e].astype(dtype), jnp.asarray(b)[e].astype(dtype)
+            return jnp.matmul(h, w, precision=precision) + b
+
+        if "w1" in params:
+            return affine(jax.nn.relu(affine(h, params["w1"], params["b1"])), params["w2"], params["b2"])
+        return affine(h, params["w"], params["b"])
+
+    out = jax.lax.map(run_block, (x, block_expert))
     out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
     out = out * slot_weight[:, None, None].astype(out.dtype)
     return jax.ops.segment_sum(out, slot_unit, num_segments=num_units)
@@ -517,7 +559,8 @@ class MoE(nn.Module):
       level: ``'node'`` | ``'instance'`` | ``'problem'``.
       noisy_gating: add the learned gating noise in training (input choice only).
       capacity_factor: None = no-drop capacity; see ``expert_capacity`` / ``expert_choice_capacity``.
-      dispatch: ``'dense'`` | ``'sparse'`` | ``'einsum'`` execution strategy.
+      dispatch: ``'dense'`` | ``'grouped'`` | ``'sparse'`` | ``'einsum'`` execution strategy, or ``'auto'``
+        (``resolve_dispatch``: per call, from the backend, the expert type and the input size).
       temperature: T of the top-k softmax.
       loss_coef: multiplier of the load-balancing loss (reference default 1e-3).
       slots_per_expert: soft-MoE slots per expert (reference: k).
@@ -557,7 +600,7 @@ class MoE(nn.Module):
         one_of("expert_type", self.expert_type, _EXPERT_TYPES)
         one_of("routing", self.routing, _ROUTINGS)
         one_of("level", self.level, _LEVELS)
-        one_of("dispatch", self.dispatch, DISPATCHES)
+        one_of("dispatch", self.dispatch, (AUTO_DISPATCH,) + DISPATCHES)
         one_of("expert_choice_softmax", self.expert_choice_softmax, ("experts", "tokens"))
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"MoE needs 1 <= k <= num_experts, got k={self.k}, E={self.num_experts}")
@@ -687,24 +730,26 @@ class MoE(nn.Module):
         """Input choice (noisy top-k) or random routing of units (U, R, d) -> (U, R, o)."""
         num_units, e, k = units.shape[0], self.num_experts, self.k
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)
+        dispatch = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
+                                    num_assignments=num_units * units.shape[1] * k, train=train)
 
-        if self.dispatch == "dense":
+        if dispatch == "dense":
             r = units.shape[1]
             y = gated_experts_forward(params, units.reshape(num_units * r, -1), jnp.repeat(gates, r, axis=0),
                                       dtype=self.dtype, precision=self.precision)
             y = y.reshape(num_units, r, -1).astype(self.dtype)     # outputs in the compute dtype, as elsewhere
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-        elif self.dispatch == "grouped":
+        elif dispatch == "grouped":
+            block = group_block(num_units * units.shape[1] * k)
             y = grouped_experts_forward(params, units, top_idx, top_gate, top_gate > 0,
-                                        block=max(1, min(GROUP_BLOCK // units.shape[1], num_units)),
-                                        dtype=self.dtype,
-                                        precision=self.precision)
+                                        block=max(1, min(block // units.shape[1], num_units)),
+                                        dtype=self.dtype, precision=self.precision)
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         else:
             capacity = expert_capacity(num_units, k, e, self.capacity_factor)
             active = top_gate > 0  # the reference dispatches positive gates only
             slot, keep = assign_slots(top_idx, active, e, capacity)
-            if self.dispatch == "sparse":
+            if dispatch == "sparse":
                 y = self._sparse_combine(units, params, top_idx, slot, keep, top_gate, capacity)
             else:
                 dispatch, combine = dispatch_combine_tensors(top_idx, slot, keep, top_gate, e, capacity)
@@ -743,7 +788,7 @@ class MoE(nn.Module):
         c = expert_choice_capacity(num_units, e, self.capacity_factor, self.k)
         chosen_score, chosen = jax.lax.top_k(scores.T, c)  # (E, c): each expert's units, best first
 
-        if self.dispatch == "dense":
+        if self.dispatch in ("dense", AUTO_DISPATCH):    # auto: grouped is for token choice only
             # top_k indices are distinct per expert, so a set builds the (U, E) combine weights exactly.
             weights = jnp.zeros((num_units, e), jnp.float32).at[chosen, jnp.arange(e)[:, None]].set(chosen_score)
             expert_out = self._run_experts(params, units, per_expert=False)  # (E, U, R, o)
@@ -787,7 +832,7 @@ class MoE(nn.Module):
             top, idx = jax.lax.top_k(logits, k)
             gate = jax.nn.softmax(top / self.temperature)
         tokens = x3.reshape(-1, x3.shape[-1])
-        if self.dispatch == "dense":
+        if self.dispatch in ("dense", AUTO_DISPATCH):
             dense_gate = jnp.zeros((e,), jnp.float32).at[idx].set(gate)
             expert_out = self._run_experts(params, tokens, per_expert=False)  # (E, N, o)
             y = jnp.einsum("e,eno->no", dense_gate.astype(expert_out.dtype), expert_out, precision=self.precision)
