@@ -242,19 +242,30 @@ def default_chunk_size(pomo_size: int) -> int | None:
     return max(1, int(CPU_TRAJECTORIES_PER_CHUNK * shrink) // starts)
 
 
-# The encoder runs on several decoding chunks at once: its matmuls (and the grouped MoE execution's
-# blocks) prefer thousands of tokens where a decoding step prefers a few hundred trajectories. Measured on
-# a 2-core CPU (MVMoE/4E, 512 augmented n = 50 instances over two devices, grouped MoE): 1.54 s in calls
-# of 16 instances (816 tokens), 1.33 s at 64, 1.05-1.07 s at 128 (6,528 tokens), 1.15 s at 256.
+# An encoder whose MoE layers run grouped (moe.resolve_dispatch) runs on several decoding chunks at once:
+# the grouped blocks prefer thousands of tokens where a decoding step prefers a few hundred trajectories.
+# Measured on a 2-core CPU (MVMoE/4E, 512 augmented n = 50 instances over two devices): the encoder alone
+# took 1.54 s in calls of 16 instances (816 tokens), 1.33 s at 64, 1.05-1.07 s at 128 (6,528 tokens),
+# 1.15 s at 256; with the decoder's precomputation still per chunk, the whole workload 3.73 against 4.01 s
+# (min of 7 alternating runs). POMO-MTL's plain feed-forward layers gain nothing (1.96 against 1.75 s):
+# its encoder stays per chunk.
 CPU_ENCODER_TOKENS = 6528
 
 
-def encoder_group_size(num_chunks: int, chunk: int, num_nodes: int) -> int:
+def encoder_token_budget(cfg: PolicyConfig) -> int:
+    """Tokens per encoder call in ``_chunked_greedy_rollout``: ``CPU_ENCODER_TOKENS`` when the encoder has
+    MoE layers that may run grouped (``moe_dispatch`` auto or grouped), else 0 (one chunk per call)."""
+    grouped = cfg.moe_dispatch in ("auto", "grouped")
+    has_encoder_moe = any(cfg.moe_at(f"Enc{i}") for i in range(cfg.num_layers))
+    return CPU_ENCODER_TOKENS if grouped and has_encoder_moe else 0
+
+
+def encoder_group_size(num_chunks: int, chunk: int, num_nodes: int, budget: int = CPU_ENCODER_TOKENS) -> int:
     """Decoding chunks encoded together by ``_chunked_greedy_rollout``: the largest divisor of
-    ``num_chunks`` whose tokens (chunks x chunk x num_nodes) stay within ``CPU_ENCODER_TOKENS`` (at least
-    one chunk). Accelerators decode the whole batch at once and never get here."""
-    budget = max(1, CPU_ENCODER_TOKENS // (chunk * num_nodes))
-    return max(g for g in range(1, min(budget, num_chunks) + 1) if num_chunks % g == 0)
+    ``num_chunks`` whose tokens (chunks x chunk x num_nodes) stay within ``budget`` (at least one chunk).
+    Accelerators decode the whole batch at once and never get here."""
+    fit = max(1, budget // (chunk * num_nodes))
+    return max(g for g in range(1, min(fit, num_chunks) + 1) if num_chunks % g == 0)
 
 
 @struct.dataclass
@@ -276,7 +287,8 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     """Greedy rollouts of M instances, ``chunk`` at a time (``lax.map``); same results as one rollout.
 
     Every chunk uses the same ``rng``, so step t draws the same keys in every chunk as in a single batch.
-    The encoder runs on ``encoder_group_size`` chunks at a time, which then decode one after another.
+    The encoder runs on ``encoder_group_size`` chunks at a time (``encoder_token_budget``), which then
+    decode one after another.
     MVMoE-L's dense-or-MoE probabilities come from the first step's attention pooled over all M instances
     (as the reference computes them over its batch): a first pass encodes every chunk and pools, the
     second decodes from the stored encodings. With a ``mesh`` (one ``'data'`` axis) the chunks are dealt
@@ -298,7 +310,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     def decode_chunks(params, chunks, real):
         """(C', ...) outputs of this device's C' chunks, encoded ``group`` chunks at a time."""
         num_local = chunks.locs.shape[0]
-        group = encoder_group_size(num_local, chunk, num_nodes)
+        group = encoder_group_size(num_local, chunk, num_nodes, encoder_token_budget(policy.cfg))
         decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng,
                          log_likelihood=False)
 
