@@ -118,11 +118,18 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
 
 
+def encode_nodes(policy: Policy, params, inst: Instance, rng: jax.Array, train: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(node embeddings (B, N, D), encoder MoE auxiliary loss) of a batch, with the encoder key ``rollout``
+    uses."""
+    k_enc = jax.random.split(rng)[0]           # = decoding_keys(rng, .)[0]
+    return policy.apply(params, inst, train, method=Policy.encode, rngs={"gating": k_enc})
+
+
 def encode(policy: Policy, params, inst: Instance, rng: jax.Array, train: bool = False
            ) -> tuple[DecoderCache, jax.Array]:
     """(decoder cache, encoder MoE auxiliary loss) of a batch, with the encoder key ``rollout`` uses."""
-    k_enc = jax.random.split(rng)[0]           # = decoding_keys(rng, .)[0]
-    emb, aux = policy.apply(params, inst, train, method=Policy.encode, rngs={"gating": k_enc})
+    emb, aux = encode_nodes(policy, params, inst, rng, train)
     return policy.apply(params, emb, method=Policy.precompute), aux
 
 
@@ -306,11 +313,12 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     starts_per_instance = min(pomo_size, inst.locs.shape[-2] - 1)          # P of start_nodes
 
     num_nodes = inst.locs.shape[-2]
+    budget = encoder_token_budget(policy.cfg)
 
     def decode_chunks(params, chunks, real):
         """(C', ...) outputs of this device's C' chunks, encoded ``group`` chunks at a time."""
         num_local = chunks.locs.shape[0]
-        group = encoder_group_size(num_local, chunk, num_nodes, encoder_token_budget(policy.cfg))
+        group = encoder_group_size(num_local, chunk, num_nodes, budget)
         decode = partial(rollout, policy, params, pomo_size=pomo_size, decode_type="greedy", rng=rng,
                          log_likelihood=False)
 
@@ -319,8 +327,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
             instance-batched products prefer a chunk's size): (cache with a (group, chunk) lead, aux
             (group,))."""
             flat = jax.tree.map(lambda x: x.reshape((group * chunk,) + x.shape[2:]), g_chunks)
-            emb, aux = policy.apply(params, flat, False, method=Policy.encode,
-                                    rngs={"gating": jax.random.split(rng)[0]})      # the key of ``encode``
+            emb, aux = encode_nodes(policy, params, flat, rng)
             emb = emb.reshape((group, chunk) + emb.shape[1:])
             cache = jax.lax.map(lambda e: policy.apply(params, e, method=Policy.precompute), emb)
             # The encoder's auxiliary loss is shared out evenly; greedy evaluation does not report it.
