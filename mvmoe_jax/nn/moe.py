@@ -730,16 +730,16 @@ class MoE(nn.Module):
         """Input choice (noisy top-k) or random routing of units (U, R, d) -> (U, R, o)."""
         num_units, e, k = units.shape[0], self.num_experts, self.k
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)
-        dispatch = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
+        strategy = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
                                     num_assignments=num_units * units.shape[1] * k, train=train)
 
-        if dispatch == "dense":
+        if strategy == "dense":
             r = units.shape[1]
             y = gated_experts_forward(params, units.reshape(num_units * r, -1), jnp.repeat(gates, r, axis=0),
                                       dtype=self.dtype, precision=self.precision)
             y = y.reshape(num_units, r, -1).astype(self.dtype)     # outputs in the compute dtype, as elsewhere
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-        elif dispatch == "grouped":
+        elif strategy == "grouped":
             block = group_block(num_units * units.shape[1] * k)
             y = grouped_experts_forward(params, units, top_idx, top_gate, top_gate > 0,
                                         block=max(1, min(block // units.shape[1], num_units)),
@@ -749,7 +749,7 @@ class MoE(nn.Module):
             capacity = expert_capacity(num_units, k, e, self.capacity_factor)
             active = top_gate > 0  # the reference dispatches positive gates only
             slot, keep = assign_slots(top_idx, active, e, capacity)
-            if dispatch == "sparse":
+            if strategy == "sparse":
                 y = self._sparse_combine(units, params, top_idx, slot, keep, top_gate, capacity)
             else:
                 dispatch, combine = dispatch_combine_tensors(top_idx, slot, keep, top_gate, e, capacity)
