@@ -181,7 +181,7 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
             "devices": jax.local_device_count(),
-            "moe_dispatch": cfg.dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
+            "moe_dispatch": cfg.moe_dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
             "fused_query": cfg.fused_query,
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
             "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,

@@ -45,8 +45,8 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "auto"                # auto (per layer: grouped for a CPU's MLP experts on
-                                              # enough tokens, else dense; moe.resolve_dispatch) | dense
+    moe_dispatch: str = "auto"                # auto (per layer: grouped for a CPU's MLP experts in
+                                              # evaluation on enough tokens, else dense; moe.resolve_dispatch) | dense
                                               # (every expert, side by side, gate-weighted) | grouped
                                               # (only the chosen experts, sorted into blocks) | sparse
                                               # (capacity buffers, scatter/gather) | einsum
@@ -82,7 +82,7 @@ class PolicyConfig:
         return not self.moe_at("Dec") or (self.routing_level == "node"
                                           and self.routing_method in ("input_choice", "random")
                                           and (self.capacity_factor is None
-                                               or self.dispatch in ("auto", "dense", "grouped")))
+                                               or self.moe_dispatch in ("auto", "dense", "grouped")))
 
     @property
     def uses_moe(self) -> bool:
@@ -94,14 +94,6 @@ class PolicyConfig:
 
     def moe_at(self, position: str) -> bool:
         return self.uses_moe and position in self.expert_loc
-
-    @property
-    def dispatch(self) -> str:
-        """The MoE execution strategy the layers get: ``moe_dispatch``. ``auto`` is resolved per layer and
-        input size by ``moe.resolve_dispatch``: on a CPU the encoder's MLP experts run grouped (only the
-        chosen top-k, in blocks; 1.2x faster end to end on the n = 50 inference workload, and more with
-        larger encoder batches), everything else dense (every expert, side by side in two matmuls)."""
-        return self.moe_dispatch
 
     @property
     def dtype(self):
@@ -189,7 +181,7 @@ class FeedForward(nn.Module):
 def _moe(cfg: PolicyConfig, output_dim: int, expert_type: str, name: str, hidden_dim: int | None = None):
     return moe_lib.MoE(num_experts=cfg.num_experts, k=cfg.topk, output_dim=output_dim,
                        hidden_dim=hidden_dim, expert_type=expert_type, routing=cfg.routing_method,
-                       level=cfg.routing_level, dispatch=cfg.dispatch,
+                       level=cfg.routing_level, dispatch=cfg.moe_dispatch,
                        capacity_factor=cfg.capacity_factor, dtype=cfg.dtype, name=name)
 
 
@@ -235,7 +227,7 @@ class Policy(nn.Module):
             self.multi_head_combine = moe_lib.DenseOrMoE(
                 output_dim=cfg.embedding_dim, num_experts=cfg.num_experts, k=cfg.topk,
                 routing=cfg.routing_method, level=cfg.routing_level, capacity_factor=cfg.capacity_factor,
-                dispatch=cfg.dispatch, dtype=cfg.dtype)
+                dispatch=cfg.moe_dispatch, dtype=cfg.dtype)
         elif cfg.moe_at("Dec"):
             self.multi_head_combine = _moe(cfg, cfg.embedding_dim, "linear", "multi_head_combine")
         else:
