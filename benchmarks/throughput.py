@@ -14,10 +14,14 @@ the same process, and add their figures and our speed-up.
 Inference: greedy decoding from all n starts with x8 augmentation (``--aug``), with trained weights where
 available (``--weights``; the decoding steps, hence the time, depend on them). Training: full optimiser
 steps (sampling rollout, backward pass, Adam; ``--backward``). Instances per second exclude compilation,
-which is reported separately. FLOPs are those the compiled program executes, from XLA's cost analysis of
-the encoder and of one decoding step at the decoding chunk's size (a ``while_loop`` body is counted once
-by XLA, so the steps each chunk ran are multiplied in here); the FLOP limit is those FLOPs at the matmul
-peak: the highest rate measured in the same run (at its start and after every workload).
+which is reported separately. FLOPs are the model's, from XLA's cost analysis of its plain formulation
+(``plain_formulation``: the query projection and the heads' combination computed at every step, each token
+through its k chosen experts only), with the encoder and one decoding step costed at the sizes the program
+runs them and multiplied by the chunks and the steps each chunk ran (XLA counts a ``while_loop`` body once).
+The FLOP limit is those FLOPs at the matmul peak: the highest rate measured in the same run (at its start and
+after every workload). ``executed_flops_per_instance`` counts what the compiled program runs instead (fewer:
+the precomputed query scores and readout trade per-step products for per-rollout ones, and the grouped MoE
+skips unchosen experts; more where the dense MoE computes every expert).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
 import peer_cli  # noqa: E402  (benchmarks/peer_cli.py)
 import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
+from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 MODELS = {"pomo_mtl": "POMO-MTL", "mvmoe": "MVMoE/4E", "mvmoe_light": "MVMoE/4E-L"}
@@ -112,16 +117,30 @@ def load_weights(model: str, size: int, weights: str, **cfg_kw) -> tuple[PolicyC
     return dataclasses.replace(cfg, **cfg_kw), params, os.path.basename(path.rstrip("/"))
 
 
-def executed_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk: int,
-                                chunk_steps: np.ndarray, num_instances: int) -> float:
-    """FLOPs the compiled program executes per instance of the (augmented) batch of ``num_instances``:
-    XLA's cost analysis of the encoder (with the decoder's precomputation) and of one decoding step, both
-    at the chunk's batch size, times the chunks and the steps each chunk ran (a ``while_loop`` body is
-    counted once by XLA, so the steps are multiplied in here)."""
+def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk: int, chunk_steps: np.ndarray,
+                               num_devices: int) -> float:
+    """FLOPs per instance of the (augmented) batch ``inst`` that a chunked greedy evaluation of ``cfg``
+    executes, from XLA's cost analysis of its parts at the sizes the program runs them: the encoder per call
+    of ``rollout.encoder_group_size`` chunks, the decoder's precomputation per chunk, one decoding step per
+    step each chunk ran. XLA counts a loop body once, so the chunks and steps are multiplied in here and the
+    grouped MoE blocks are traced as one product (``moe.blocks_as_one_product``). ``chunk_steps``: the steps
+    of every chunk, padding chunks included (``GreedyResult.chunk_steps``)."""
     policy = Policy(cfg)
-    sub = jax.tree.map(lambda x: x[:chunk], inst)
+    m, num_nodes = inst.locs.shape[0], inst.locs.shape[-2]
+    num_chunks = len(chunk_steps)
+    group = rollout.encoder_group_size(max(1, num_chunks // num_devices), chunk, num_nodes,
+                                       rollout.encoder_token_budget(cfg))
     rng = jax.random.key(0)
-    enc_c = jax.jit(lambda p, i: rollout.encode(policy, p, i, rng)).lower(params, sub).compile()
+
+    def take(count):
+        return jax.tree.map(lambda x: x[np.arange(count) % m], inst)
+
+    with moe_lib.blocks_as_one_product():
+        encoder = jax.jit(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0]).lower(
+            params, take(group * chunk)).compile()
+    sub = take(chunk)
+    emb, _ = rollout.encode_nodes(policy, params, sub, rng)
+    precompute = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute)).lower(params, emb).compile()
     cache, _ = rollout.encode(policy, params, sub, rng)
     states, _, _ = rollout.initial_states(sub, pomo)
 
@@ -131,9 +150,29 @@ def executed_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chun
                             jnp.full((2,), 0.5) if cfg.hierarchical else None, False, method=Policy.decode,
                             rngs={"gating": rng})
 
-    dec_c = jax.jit(one_step).lower(params, cache, states).compile()
-    total = len(chunk_steps) * _flops(enc_c) + float(np.sum(chunk_steps)) * _flops(dec_c)
-    return total / num_instances
+    step = jax.jit(one_step).lower(params, cache, states).compile()
+    total = (num_chunks / group * _flops(encoder) + num_chunks * _flops(precompute)
+             + float(np.sum(chunk_steps)) * _flops(step))
+    return total / m
+
+
+def plain_formulation(cfg: PolicyConfig) -> PolicyConfig:
+    """The model as written, the basis of its FLOPs: a decoding step projects its query and combines the
+    heads itself (no precomputed query scores or readout), and each token goes through its k chosen experts
+    only (an MoE layer of k experts, every one computed: the FLOPs of top-k routing, less a gate of E - k
+    columns)."""
+    plain = dataclasses.replace(cfg, fused_readout=False, fused_query=False, moe_dispatch="dense")
+    return dataclasses.replace(plain, num_experts=cfg.topk) if cfg.uses_moe else plain
+
+
+def model_flops_per_instance(cfg: PolicyConfig, size: int, inst, pomo: int, chunk: int, chunk_steps: np.ndarray,
+                             num_devices: int) -> float:
+    """The model's FLOPs per instance for the same decoding: ``program_flops_per_instance`` of
+    ``plain_formulation(cfg)`` (which the FLOP limit is computed from). The program computes the same
+    result with fewer: the precomputed query scores and readout, and the MoE layers' execution."""
+    plain = plain_formulation(cfg)
+    params = training.init_params(plain, jax.random.key(0), size)
+    return program_flops_per_instance(plain, params, inst, pomo, chunk, chunk_steps, num_devices)
 
 
 class InferWorkload(NamedTuple):
@@ -177,7 +216,10 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
     m = flat.locs.shape[0]
     chunk = rollout.effective_chunk_size(chunk_size, size, flat, jax.local_device_count())
     chunk_steps = np.asarray(res.chunk_steps)
-    flops = executed_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, m) * (m // batch)
+    num_devices = compiled.num_devices
+    # Per instance of the batch (each stands for m // batch augmented copies).
+    flops = model_flops_per_instance(cfg, size, flat, size, chunk, chunk_steps, num_devices) * (m // batch)
+    executed = program_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, num_devices) * (m // batch)
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
             "devices": jax.local_device_count(),
@@ -185,7 +227,8 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
             "fused_query": cfg.fused_query,
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
             "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,
-            "achieved_gflops": flops * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj)),
+            "achieved_gflops": flops * batch / seconds / 1e9, "executed_flops_per_instance": executed,
+            "executed_gflops": executed * batch / seconds / 1e9, "mean_objective": float(np.mean(res.obj)),
             "program_memory_bytes": compiled.memory_bytes()}
 
 
@@ -474,8 +517,8 @@ def main():
 def print_table(rows: list[dict]) -> None:
     torch = any("torch" in r for r in rows)
     authors = any("authors" in r for r in rows)
-    head = "| mode | model | n | batch | weights | decode steps | instances/s | seconds | compile s | GFLOP/s | " \
-           "% of peak | x FLOP limit | program MiB |"
+    head = "| mode | model | n | batch | weights | decode steps | instances/s | seconds | compile s | model GFLOP/s | " \
+           "% of peak | x FLOP limit | executed GFLOP/s | program MiB |"
     if authors:
         head += " authors s | authors steps | speed-up |"
     if torch:
@@ -489,7 +532,7 @@ def print_table(rows: list[dict]) -> None:
                 f"{r.get('decode_steps', '')} | {r['instances_per_second']:.2f} | {r['seconds']:.3f} | "
                 f"{r['compile_seconds']:.1f} | {r.get('achieved_gflops', nan):.1f} | "
                 f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} | "
-                f"{r.get('program_memory_bytes', nan) / 2**20:.0f}{'*' if 'largest_batch_search' in r else ''} |")
+                f"{r.get('executed_gflops', nan):.1f} | {r.get('program_memory_bytes', nan) / 2**20:.0f}{'*' if 'largest_batch_search' in r else ''} |")
         if authors:
             a = r.get("authors", {})
             line += (f" {a.get('seconds', a.get('seconds_per_step', nan)):.2f} | {a.get('decode_steps', '')} | "

@@ -28,7 +28,11 @@ def test_throughput_contract(tmp_path):
     assert len(res["rounds_instances_per_second"]) == 2
     assert res["instances_per_second"] == max(res["rounds_instances_per_second"])
     assert res["flops_per_instance"] > 0 and 0 < res["fraction_of_matmul_peak"]
-    assert res["seconds_over_flop_limit"] > 1.0      # nothing runs faster than its FLOPs at the peak
+    assert res["seconds_over_flop_limit"] == pytest.approx(
+        res["seconds"] * res["matmul_peak_gflops"] * 1e9 / (res["flops_per_instance"] * res["batch"]))
+    # The model's FLOPs (query projection and head combination at every step) exceed what the program runs
+    # with its per-rollout precomputations.
+    assert 0 < res["executed_flops_per_instance"] < res["flops_per_instance"]
     assert res["decode_steps"] >= 20 and res["weights"]
     # XLA's memory analysis of the program: at least its arguments, the float32 parameters among them.
     assert res["program_memory_bytes"] >= 4 * _parameter_count("pomo_mtl")
@@ -162,6 +166,31 @@ def test_authors_peer_device_errors_name_the_problem():
         authors_peer._check_device(no_gpu, "cuda")
     with pytest.raises(ValueError, match="cpu or cuda"):
         authors_peer._check_device(no_gpu, "tpu")
+
+
+def test_model_flops_count_the_plain_model_with_its_k_chosen_experts():
+    """The FLOP limit's basis, against a count by hand of MVMoE/4E's matrix products (n = 20, top-2 of 4
+    experts, 30 decoding steps of 20 starts): at least those products, and not much more (the softmaxes,
+    norms and masks); every expert computed would be over 1.3x the count."""
+    import jax
+    from mvmoe_jax import instances, training
+    from mvmoe_jax.nn.policy import PolicyConfig
+    throughput = _benchmarks_module("throughput")
+    cfg = PolicyConfig(model="mvmoe")
+    plain = throughput.plain_formulation(cfg)
+    assert (plain.fused_readout, plain.fused_query, plain.moe_dispatch, plain.num_experts) == (False, False,
+                                                                                               "dense", 2)
+    n, steps = 20, 30
+    inst = instances.generate(jax.random.key(0), 2, n, "CVRP")
+    flops = throughput.model_flops_per_instance(cfg, n, inst, n, 2, np.array([steps]), 1)
+    nodes, d, hidden, k = n + 1, cfg.embedding_dim, cfg.ff_hidden_dim, cfg.topk
+    layer = 4 * 2 * nodes * d * d + 2 * 2 * nodes * nodes * d + k * 2 * nodes * 2 * d * hidden
+    precompute = 2 * 2 * nodes * d * d
+    step = 2 * (d + 4) * d + 3 * 2 * nodes * d + k * 2 * d * d        # query; scores, values, readout; experts
+    by_hand = cfg.num_layers * layer + precompute + steps * n * step
+    assert by_hand <= flops < 1.2 * by_hand
+    every_expert = by_hand + cfg.num_layers * (cfg.num_experts - k) * 2 * nodes * 2 * d * hidden
+    assert every_expert > 1.3 * by_hand       # so the upper bound above would catch it
 
 
 def test_per_step_speedup_normalises_by_decoding_steps():

@@ -414,6 +414,38 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def test_blocks_as_one_product_counts_every_block_for_the_same_result():
+    """XLA's cost analysis counts a loop body once: the grouped blocks' loop shows about one block's
+    products; traced as one product (``blocks_as_one_product``) it shows every block's, and the result is
+    the loop's."""
+    rng = np.random.default_rng(7)
+    d, h, o, e, block = 8, 32, 8, 4, 32
+    params = {"w1": jnp.asarray(rng.standard_normal((e, d, h)), jnp.float32),
+              "b1": jnp.asarray(rng.standard_normal((e, h)), jnp.float32),
+              "w2": jnp.asarray(rng.standard_normal((e, h, o)), jnp.float32),
+              "b2": jnp.asarray(rng.standard_normal((e, o)), jnp.float32)}
+    units = jnp.asarray(rng.standard_normal((200, 1, d)), jnp.float32)
+    index = jnp.asarray(np.stack([rng.permutation(e)[:2] for _ in range(200)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (200, 2)), jnp.float32)
+    active = jnp.ones((200, 2), bool)
+
+    def grouped(p, x):
+        return M.grouped_experts_forward(p, x, index, weights, active, block=block)
+
+    def flops(compiled):
+        cost = compiled.cost_analysis()
+        return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+    looped = jax.jit(grouped).lower(params, units).compile()
+    with M.blocks_as_one_product():      # a function of its own: jit's cache would return the looped trace
+        counted = jax.jit(lambda p, x: grouped(p, x)).lower(params, units).compile()
+    num_blocks = -(-(200 * 2 + e * (block - 1)) // block)          # grouped_experts_forward's static count
+    block_products = 2 * block * (d * h + h * o)
+    assert flops(counted) >= num_blocks * block_products
+    assert flops(looped) < num_blocks * block_products / 2
+    np.testing.assert_allclose(counted(params, units), looped(params, units), rtol=1e-5, atol=1e-5)
+
+
 def test_auto_dispatch_groups_mlp_experts_in_cpu_evaluation_only():
     """``auto`` runs only the chosen experts (grouped) where that was measured faster: MLP experts, in
     evaluation, on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments on; dense everywhere else. Explicit

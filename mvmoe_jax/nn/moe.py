@@ -141,8 +141,10 @@ to the ``'gating'`` stream (needed in evaluation too).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -210,6 +212,25 @@ AUTO_GROUPED_MIN_ASSIGNMENTS = 1024
 def group_block(num_assignments: int) -> int:
     """Units per block of ``grouped_experts_forward`` for this many assignments (see GROUP_BLOCK)."""
     return GROUP_BLOCK_LARGE if num_assignments >= GROUP_BLOCK_LARGE_FROM else GROUP_BLOCK
+
+
+# XLA's cost analysis counts a loop body once. FLOP accounting (benchmarks/throughput.py) traces the grouped
+# execution's blocks as one batched product instead, which it counts in full: the same products, gathering
+# each block's expert weights (slower to run, so only for counting).
+_BLOCKS_AS_ONE_PRODUCT = contextvars.ContextVar("blocks_as_one_product", default=False)
+
+
+@contextlib.contextmanager
+def blocks_as_one_product() -> Iterator[None]:
+    """Within this block, ``grouped_experts_forward`` traces its blocks as one batched product rather than a
+    loop, so that XLA's cost analysis of the compiled program counts every block (results are the same).
+    The setting is read when a function is traced and is not part of jit's cache key: jit functions of
+    their own within the block (a function traced before it is reused as traced)."""
+    token = _BLOCKS_AS_ONE_PRODUCT.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKS_AS_ONE_PRODUCT.reset(token)
 
 
 def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int, train: bool) -> str:
@@ -534,7 +555,8 @@ def grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_in
             return affine(jax.nn.relu(affine(h, params["w1"], params["b1"])), params["w2"], params["b2"])
         return affine(h, params["w"], params["b"])
 
-    out = jax.lax.map(run_block, (x, block_expert))
+    out = jax.lax.map(run_block, (x, block_expert),
+                      batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
     out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
     out = out * slot_weight[:, None, None].astype(out.dtype)
     return jax.ops.segment_sum(out, slot_unit, num_segments=num_units)
