@@ -206,6 +206,30 @@ class EncoderLayer(nn.Module):
         return InstanceNorm(name="norm2")(out1 + ff), aux
 
 
+@jax.custom_vjp
+def readout_product(x: jax.Array, readout: jax.Array) -> jax.Array:
+    """``x (B, P, D) @ readout (B, D, X)`` -> (B, P, X) float32, with a backward pass that computes the input's
+    cotangent against an explicitly transposed readout (B, X, D). Left to autodiff, XLA:CPU ran that product,
+    which contracts the readout's minor axis, at 19 GFLOP/s in a training step (MVMoE/4E, n = 50)."""
+    return jnp.einsum("bpd,bdx->bpx", x, readout, preferred_element_type=jnp.float32)
+
+
+def _readout_product_fwd(x, readout):
+    return readout_product(x, readout), (x, readout)
+
+
+def _readout_product_bwd(residuals, g):
+    x, readout = residuals
+    # optimization_barrier keeps XLA from folding the transpose back into the product.
+    readout_t = jax.lax.optimization_barrier(jnp.swapaxes(readout, -1, -2))
+    dx = jnp.einsum("bpx,bxd->bpd", g.astype(readout.dtype), readout_t, preferred_element_type=jnp.float32)
+    dr = jnp.einsum("bpd,bpx->bdx", x, g.astype(x.dtype), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dr.astype(readout.dtype)
+
+
+readout_product.defvjp(_readout_product_fwd, _readout_product_bwd)
+
+
 class Policy(nn.Module):
     """Encoder-decoder policy. Use ``encode`` once per batch, ``precompute`` once, ``decode`` per step."""
 
@@ -371,8 +395,7 @@ class Policy(nn.Module):
             """sum over the group's maps m of weights[..., m] (x @ readout[m] + bias[m]); one map: plain."""
             readout, bias = cache.readout[group], cache.readout_bias[group]
             b, d, m, n = readout.shape
-            per_map = jnp.einsum("bpd,bdx->bpx", x, readout.reshape(b, d, m * n).astype(cfg.dtype),
-                                 preferred_element_type=jnp.float32).reshape(x.shape[:2] + (m, n))
+            per_map = readout_product(x, readout.reshape(b, d, m * n).astype(cfg.dtype)).reshape(x.shape[:2] + (m, n))
             if weights is None:
                 score = per_map[:, :, 0] + bias[:, None, 0]
             else:
