@@ -141,7 +141,7 @@ def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk
     sub = take(chunk)
     emb, _ = rollout.encode_nodes(policy, params, sub, rng)
     precompute = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute)).lower(params, emb).compile()
-    cache, _ = rollout.encode(policy, params, sub, rng)
+    cache = policy.apply(params, emb, method=Policy.precompute)        # the decoding step's input (= encode)
     states, _, _ = rollout.initial_states(sub, pomo)
 
     def one_step(p, cache, states):
@@ -532,7 +532,8 @@ def print_table(rows: list[dict]) -> None:
                 f"{r.get('decode_steps', '')} | {r['instances_per_second']:.2f} | {r['seconds']:.3f} | "
                 f"{r['compile_seconds']:.1f} | {r.get('achieved_gflops', nan):.1f} | "
                 f"{100 * r.get('fraction_of_matmul_peak', nan):.0f} | {r.get('seconds_over_flop_limit', nan):.2f} | "
-                f"{r.get('executed_gflops', nan):.1f} | {r.get('program_memory_bytes', nan) / 2**20:.0f}{'*' if 'largest_batch_search' in r else ''} |")
+                f"{r.get('executed_gflops', nan):.1f} | "
+                f"{r.get('program_memory_bytes', nan) / 2**20:.0f}{'*' if 'largest_batch_search' in r else ''} |")
         if authors:
             a = r.get("authors", {})
             line += (f" {a.get('seconds', a.get('seconds_per_step', nan)):.2f} | {a.get('decode_steps', '')} | "
