@@ -32,7 +32,7 @@ def test_bad_size_is_a_clear_error():
         instances.generate(jax.random.key(0), 2, 30, "CVRP")
 
 
-@pytest.mark.parametrize("size", [20, 50, 100, 200])
+@pytest.mark.parametrize("size", [20, 50, 100, pytest.param(200, marks=pytest.mark.slow)])
 def test_appendix_a_distributions_and_feasibility(size):
     batch_per_variant = 48 if size <= 100 else 16
     capacity = instances.CAPACITY_BY_SIZE[size]
