@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mvmoe_jax import checkpoints, devices, env, instances, precision, rollout, training
+from mvmoe_jax import checkpoints, devices, env, host_memory, instances, precision, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
@@ -507,7 +507,8 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     meta = {"device": device_description(), "jax": jax.__version__, "matmul_peak_gflops": peak,
             "matmul_peak_gflops_at_start": peak_at_start,
-            "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+            "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
     result = dict(rows[0], **meta) if len(rows) == 1 else dict(meta, rows=rows)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)
@@ -548,4 +549,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
+    # Measure what train.py runs: glibc's huge-page tunable set (mvmoe_jax/host_memory.py); the PyTorch peers
+    # run in this process, under the same setting.
+    host_memory.restart_with_huge_pages()
     main()

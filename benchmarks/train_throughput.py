@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
-from mvmoe_jax import checkpoints, devices, precision, training, training_loop  # noqa: E402
+from mvmoe_jax import checkpoints, devices, host_memory, precision, training, training_loop  # noqa: E402
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
@@ -179,10 +179,14 @@ def main():
               f"{r['instances_per_second']:.1f} | {r['compile_seconds']:.0f} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"device": device, "jax": jax.__version__, "load_average_before": load_before,
+        json.dump({"device": device, "jax": jax.__version__, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                   "load_average_before": load_before,
                    "load_average_after": load_after, "args": vars(args), "rows": rows}, f, indent=1)
     print(f"\nwrote {args.output}")
 
 
 if __name__ == "__main__":
+    # Measure what train.py runs: glibc's huge-page tunable set (mvmoe_jax/host_memory.py); the PyTorch peers
+    # run in this process, under the same setting.
+    host_memory.restart_with_huge_pages()
     main()
