@@ -6,12 +6,15 @@ them is faulted in and zeroed again on every step. Measured on a 2-core EPYC (MV
 one training step as one program): ~190,000 minor page faults and 0.6 s of system time per step. With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc asks the kernel for transparent huge pages (2 MiB) for
 those blocks: ~2,000 faults, 0.12 s of system time, and fewer TLB misses; the step took 3.29-3.50 s
-against 3.88-4.96 s (6 steps each, alternating processes). Inference, whose decoding loop reuses its
-buffers, showed no difference beyond noise.
+against 3.88-4.96 s (6 steps each, alternating processes). POMO-MTL's step (half the buffers) faulted
+~90,000 times without it and ran no faster with it; inference, whose decoding loop reuses its buffers,
+showed no difference beyond the noise (one n = 100 instance: +-25% between runs either way), so only
+training restarts.
 
 glibc reads its tunables once, when a process starts, so the setting cannot be made from inside a running
-interpreter: ``restart_with_huge_pages`` re-executes the command with it (train.py and the benchmarks call
-it first thing). From Python, start the interpreter with the variable set yourself.
+interpreter: ``restart_with_huge_pages`` re-executes the command with it (train.py and the training
+benchmarks, ``benchmarks/throughput.py --mode=train`` and ``benchmarks/train_throughput.py``, call it first
+thing). From Python, start the interpreter with the variable set yourself.
 """
 
 from __future__ import annotations
