@@ -75,4 +75,7 @@ def restart_with_huge_pages() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, list(sys.orig_argv), environment_with_huge_pages())
+    try:
+        os.execve(sys.executable, list(sys.orig_argv), environment_with_huge_pages())
+    except OSError as e:       # no usable interpreter path: run on without the setting
+        print(f"note: could not restart with {SETTING} ({e}); continuing without it", file=sys.stderr)
