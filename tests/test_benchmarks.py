@@ -224,6 +224,7 @@ def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
                                  weights=str(checkpoints / "moe_n20_fixture.pt"))
 
 
+@pytest.mark.slow      # ~45 s; a diagnostic of the machine, not of this library's code paths
 def test_batched_matmul_benchmark(tmp_path):
     out = tmp_path / "m.json"
     _run(["benchmarks/batched_matmul.py", "--repeats=1", f"--output={out}"])

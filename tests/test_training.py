@@ -1,5 +1,5 @@
 """Training: the sampled rollout and its differentiable replay, the REINFORCE loss, one optimiser step,
-resume, the sharded step, non-finite losses and the train.py command line."""
+resume, the sharded step and non-finite losses (train.py's command line: test_train_cli.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT, SHARED_DIR
+from conftest import REPO_ROOT
 from configs import demo
 from configs.common import model_config
 from mvmoe_jax import checkpoints, instances, rollout, training, training_loop, training_validation
@@ -327,55 +327,3 @@ def test_sharded_step_equals_the_single_device_step():
     # (the bias before an instance norm) into lr-sized steps whichever way the sums are ordered.
     assert r["param_diff"] < 1e-6
     assert "cannot be split over 2 devices" in out["odd_batch"]
-
-
-TINY_FLAGS = ["--config.model.embedding_dim=16", "--config.model.num_heads=2", "--config.model.num_layers=1",
-              "--config.model.ff_hidden_dim=32", "--config.model.expert_loc=Enc0,Dec"]
-
-
-def _train_py(*args, env=None):
-    return subprocess.run([sys.executable, "train.py", "--config=configs/demo.py", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600, env=env)
-
-
-def test_train_py_end_to_end(tmp_path):
-    workdir = tmp_path / "wd"
-    proc = _train_py(f"--config.workdir={workdir}", "--config.epochs=1", "--config.train_episodes=16",
-                     "--config.batch_size=8", "--config.validation_instances=8",
-                     "--config.validation_batch_size=8", "--config.progress_bar=False", *TINY_FLAGS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "epoch 1/1" in proc.stdout and "validation:" in proc.stdout
-    # train.py runs a CPU's cores as devices (config.cpu_devices = 0): on the 2-core CI machine the
-    # checkpoint below is written by a 2-device run and restored in this 1-device process.
-    from mvmoe_jax import devices
-    assert f"with {devices.largest_divisor_at_most(devices.usable_cores(), 8)} device(s)" in proc.stdout
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows] == [0, 1]
-    assert set(rows[1]["val"]) == {"CVRP", "OVRP", "VRPB", "VRPL", "VRPTW", "OVRPTW"}
-    assert (workdir / "validation.png").stat().st_size > 0
-    cfg, params = checkpoints.load_policy(workdir)
-    assert cfg.model == "mvmoe" and cfg.embedding_dim == 16
-
-    fixtures = SHARED_DIR / "fixtures" / "torch-reference" / "data"
-    if fixtures.exists():
-        ev = subprocess.run([sys.executable, "evaluate.py", "--config=configs/demo.py", *TINY_FLAGS,
-                             f"--checkpoint={workdir}", f"--data_dir={fixtures}", "--size=20", "--aug=1",
-                             "--problems=CVRP", "--num_instances=4", "--noprogress"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=600)
-        assert ev.returncode == 0, ev.stderr[-3000:]
-        assert "CVRP" in ev.stdout
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--config.train_problems=CVRP,VRPZ"], "unknown VRP variant 'VRPZ'"),
-    (["--config.batch_size=7"], "cannot be split over 2 devices"),
-    (["--config.problem_size=30"], "problem_size must be one of"),
-    (["--config.no_such_field=1"], "unknown config field 'no_such_field'"),
-    (["--config.batch_size=abc"], "batch_size"),
-    (["--config.finetune_from=/no/such/run"], "finetune_from: no checkpoint at /no/such/run"),
-])
-def test_train_py_bad_input(tmp_path, args, message):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = _train_py(f"--config.workdir={tmp_path / 'wd'}", *args, env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr and "Traceback" not in proc.stderr
