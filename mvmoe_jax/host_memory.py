@@ -69,7 +69,8 @@ def environment_with_huge_pages(environ=None) -> dict[str, str]:
 def restart_with_huge_pages() -> None:
     """Re-execute this command (``sys.orig_argv``, same interpreter) with the tunable set, unless it is set
     already, ``MVMOE_JAX_HUGE_PAGES=0``, or the platform cannot use it; then it returns and nothing
-    changes. Call it before anything starts threads (before importing JAX): the process image is replaced.
+    changes. The process image is replaced, so call it first thing: anything done before it (importing
+    JAX, parsing arguments) is done again by the restarted process.
     """
     if os.environ.get(OPT_OUT, "1") == "0" or huge_pages_requested() or not transparent_huge_pages_available():
         return
