@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mvmoe_jax import problems
 from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
+from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
 
@@ -368,6 +369,17 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
                       encoded=((cache, aux_enc), backward_encoder))
 
 
+def _sorting_per_device(fn, groups: int):
+    """``fn`` traced with the grouped MoE execution sorting within each device's share of the batch
+    (``moe.sort_groups``; the batch is split over ``groups`` devices)."""
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with moe_lib.sort_groups(groups):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 class StepFunctions:
     """The jitted pieces of a training step on a device mesh (batch sharded over ``'data'``, parameters
     and optimiser state replicated). With a one-device mesh this is the plain single-device step.
@@ -397,13 +409,14 @@ class StepFunctions:
         self._batch = jax.jit(partial(generate_training_batch, num_customers=num_customers,
                                       variant_flags=flags, mixed=mixed),
                               static_argnums=1, out_shardings=self.batch_sharding)
-        self._sample = jax.jit(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
-                                       max_steps=self.max_steps),
+        per_device = partial(_sorting_per_device, groups=self.num_devices)
+        self._sample = jax.jit(per_device(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
+                                                  max_steps=self.max_steps)),
                                out_shardings=trajectory_shardings(mesh))
-        self._update = jax.jit(partial(train_step, self.policy, tx, settings), static_argnames="num_steps",
-                               out_shardings=(self.replicated, self.replicated))
+        self._update = jax.jit(per_device(partial(train_step, self.policy, tx, settings)),
+                               static_argnames="num_steps", out_shardings=(self.replicated, self.replicated))
         self._sample_and_update = jax.jit(
-            partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps),
+            per_device(partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps)),
             out_shardings=(self.replicated, self.replicated))
 
     @classmethod

@@ -401,13 +401,17 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
         gates = jnp.einsum("uk,uke->ue", jnp.where(active, weights, 0.0), jax.nn.one_hot(index, 4))
         return M.gated_experts_forward(p, x[:, 0], gates)[:, None]
 
+    def grouped_in_three_sorts(p, x):
+        with M.sort_groups(3):                  # traced (under jit) inside the context: 3 sorts of 100 units
+            return grouped(p, x)
+
     # An independent float64 recomputation: sum over experts of gate * expert(x).
     gates64 = np.einsum("uk,uke->ue", np.where(active, weights, 0.0), np.eye(4)[np.asarray(index)])
     expected = np.einsum("ue,euo->uo", gates64, np_experts({f"experts_{k}": v for k, v in params.items()},
                                                            np.asarray(units[:, 0], np.float64)))[:, None]
     # jit: one compilation each, against hundreds of op-by-op ones for the eager gradients.
     g_dense = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1)))(params, units)
-    for execution in (grouped, side_by_side):
+    for execution in (grouped, side_by_side, grouped_in_three_sorts):
         np.testing.assert_allclose(jax.jit(execution)(params, units), expected, rtol=1e-5, atol=1e-5)
         g = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(execution(p, x))), argnums=(0, 1)))(params, units)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
@@ -446,17 +450,24 @@ def test_blocks_as_one_product_counts_every_block_for_the_same_result():
     np.testing.assert_allclose(counted(params, units), looped(params, units), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_dispatch_groups_mlp_experts_in_cpu_evaluation_only():
-    """``auto`` runs only the chosen experts (grouped) where that was measured faster: MLP experts, in
-    evaluation, on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments on; dense everywhere else. Explicit
-    strategies pass through."""
+def test_auto_dispatch_groups_mlp_experts_on_cpu_only():
+    """``auto`` runs only the chosen experts (grouped) where that was measured faster: MLP experts on a CPU,
+    in evaluation and training, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort group on; dense
+    everywhere else. Explicit strategies pass through."""
     on_cpu = jax.default_backend() == "cpu"
     big = M.AUTO_GROUPED_MIN_ASSIGNMENTS
     resolve = functools.partial(M.resolve_dispatch, "auto")
-    assert resolve(expert_type="mlp", num_assignments=big, train=False) == ("grouped" if on_cpu else "dense")
+    grouped_on_cpu = "grouped" if on_cpu else "dense"
+    assert resolve(expert_type="mlp", num_assignments=big, train=False) == grouped_on_cpu
+    assert resolve(expert_type="mlp", num_assignments=big, train=True) == grouped_on_cpu
     assert resolve(expert_type="mlp", num_assignments=big - 1, train=False) == "dense"
-    assert resolve(expert_type="mlp", num_assignments=big, train=True) == "dense"
     assert resolve(expert_type="linear", num_assignments=big, train=False) == "dense"
+    with M.sort_groups(2):                   # the threshold counts the assignments of one sort
+        assert resolve(expert_type="mlp", num_assignments=big, train=True) == "dense"
+        assert resolve(expert_type="mlp", num_assignments=2 * big, train=True) == grouped_on_cpu
+    with pytest.raises(ValueError, match="positive number of groups"):
+        with M.sort_groups(0):
+            pass
     for explicit in M.DISPATCHES:
         assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1, train=True) == explicit
     assert M.group_block(M.GROUP_BLOCK_LARGE_FROM - 1) == M.GROUP_BLOCK
@@ -481,7 +492,7 @@ def test_auto_dispatch_gives_the_dense_result_with_the_grouped_execution():
         return "scan" in str(jaxpr(params))
 
     assert has_loop(layers["auto"], False) and not has_loop(layers["dense"], False)
-    assert not has_loop(layers["auto"], True)          # training keeps the dense execution
+    assert has_loop(layers["auto"], True)              # training groups too
 
 
 def test_gates_only_returns_the_gate_matrix_the_layer_mixes_with():

@@ -279,14 +279,17 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
 
 SHARDED_SCRIPT = r"""
-import json, jax, numpy as np, optax
+import dataclasses, json, jax, numpy as np, optax
 from mvmoe_jax import training, training_loop
 from mvmoe_jax.nn.policy import PolicyConfig
-cfg = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
-                   expert_loc=("Enc0", "Dec"))
-params = training.init_params(cfg, jax.random.key(0))
+base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
+                    expert_loc=("Enc0", "Dec"))
 out = {"devices": len(jax.devices())}
-for opt_name, opt in (("sgd", optax.sgd(1e-2)),):
+# The encoder's MoE layer as the default picks it at this size (dense) and grouped (on the mesh: one sort
+# per device's share of the batch, moe.sort_groups).
+for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped"))):
+    opt = optax.sgd(1e-2)
+    params = training.init_params(cfg, jax.random.key(0))
     res = {}
     for name, devs in (("one", jax.devices()[:1]), ("all", jax.devices())):
         fns = training.StepFunctions(cfg, opt, training.StepSettings(pomo_size=20, aux_loss_coef=10.0),
@@ -316,14 +319,17 @@ def test_sharded_step_equals_the_single_device_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["devices"] == 2
-    r = out["sgd"]
-    assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6)     # the same sampled trajectories
-    # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
-    # steps) whose summation order changes when the batch is split: agreement to ~1e-5 of its size.
-    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-4)
-    assert r["replicated"] and "2" in r["mesh"]
-    # The same gradient, hence (plain SGD) the same parameters. Adam is left out on purpose: it divides
-    # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact arithmetic
-    # (the bias before an instance norm) into lr-sized steps whichever way the sums are ordered.
-    assert r["param_diff"] < 1e-6
+    for name in ("sgd", "sgd_grouped"):
+        r = out[name]
+        assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6), name     # the same trajectories
+        # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
+        # steps) whose summation order changes when the batch is split: agreement to ~1e-5 of its size.
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-4), name
+        assert r["replicated"] and "2" in r["mesh"]
+        # The same gradient, hence (plain SGD) the same parameters. Adam is left out on purpose: it divides
+        # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact
+        # arithmetic (the bias before an instance norm) into lr-sized steps whichever way sums are ordered.
+        assert r["param_diff"] < 1e-6, name
+    # Grouped or dense, the same step.
+    assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
     assert "cannot be split over 2 devices" in out["odd_batch"]

@@ -45,8 +45,8 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "auto"                # auto (per layer: grouped for a CPU's MLP experts in
-                                              # evaluation on enough tokens, else dense; moe.resolve_dispatch) | dense
+    moe_dispatch: str = "auto"                # auto (per layer: grouped for a CPU's MLP experts on
+                                              # enough tokens, else dense; moe.resolve_dispatch) | dense
                                               # (every expert, side by side, gate-weighted) | grouped
                                               # (only the chosen experts, sorted into blocks) | sparse
                                               # (capacity buffers, scatter/gather) | einsum
