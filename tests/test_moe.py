@@ -458,18 +458,17 @@ def test_auto_dispatch_groups_mlp_experts_on_cpu_only():
     big = M.AUTO_GROUPED_MIN_ASSIGNMENTS
     resolve = functools.partial(M.resolve_dispatch, "auto")
     grouped_on_cpu = "grouped" if on_cpu else "dense"
-    assert resolve(expert_type="mlp", num_assignments=big, train=False) == grouped_on_cpu
-    assert resolve(expert_type="mlp", num_assignments=big, train=True) == grouped_on_cpu
-    assert resolve(expert_type="mlp", num_assignments=big - 1, train=False) == "dense"
-    assert resolve(expert_type="linear", num_assignments=big, train=False) == "dense"
+    assert resolve(expert_type="mlp", num_assignments=big) == grouped_on_cpu
+    assert resolve(expert_type="mlp", num_assignments=big - 1) == "dense"
+    assert resolve(expert_type="linear", num_assignments=big) == "dense"
     with M.sort_groups(2):                   # the threshold counts the assignments of one sort
-        assert resolve(expert_type="mlp", num_assignments=big, train=True) == "dense"
-        assert resolve(expert_type="mlp", num_assignments=2 * big, train=True) == grouped_on_cpu
+        assert resolve(expert_type="mlp", num_assignments=big) == "dense"
+        assert resolve(expert_type="mlp", num_assignments=2 * big) == grouped_on_cpu
     with pytest.raises(ValueError, match="positive number of groups"):
         with M.sort_groups(0):
             pass
     for explicit in M.DISPATCHES:
-        assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1, train=True) == explicit
+        assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1) == explicit
     assert M.group_block(M.GROUP_BLOCK_LARGE_FROM - 1) == M.GROUP_BLOCK
     assert M.group_block(M.GROUP_BLOCK_LARGE_FROM) == M.GROUP_BLOCK_LARGE
 

@@ -257,16 +257,15 @@ def sort_groups(groups: int) -> Iterator[None]:
         _SORT_GROUPS.reset(token)
 
 
-def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int, train: bool) -> str:
+def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int) -> str:
     """The execution strategy ``dispatch`` names for one call: itself, or for ``auto`` ``grouped`` where it
     was measured faster (MLP experts on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort
     group), else ``dense``. Accelerators keep ``dense``: a few large matmuls, where the grouped blocks run
     one after another. Training groups too since the blocks' backward is written out
     (``mlp_expert_blocks``) and the sort stays on each device (``sort_groups``): MVMoE/4E, n = 50, batch 64
     over two CPU cores, 3.2 against 3.6 s per step (medians of 8 alternating steps); before both, autodiff's
-    backward through the blocks made the step slower (3.76 against 3.44 s). Resolved at trace time (shapes,
-    the mode and the backend are static); ``train`` no longer changes the choice."""
-    del train
+    backward through the blocks made the step slower (3.76 against 3.44 s). Resolved at trace time (shapes and
+    the backend are static; training and evaluation choose alike)."""
     if dispatch != AUTO_DISPATCH:
         return dispatch
     if (expert_type == "mlp" and jax.default_backend() == "cpu"
@@ -588,22 +587,19 @@ def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_i
     x = units[slot_unit].astype(dtype)                                              # (L, R, d)
     x = x.reshape((num_blocks, block * x.shape[1], x.shape[2]))
 
+    mlp = tuple(jnp.asarray(params[name]) for name in ("w1", "b1", "w2", "b2")) if "w1" in params else None
+
     def run_block(args):
         """One block through its expert; the expert's weights are read in place (a dynamic index), not
         gathered into a (blocks, d, h) copy, which at thousands of units cost more than the products."""
         h, e = args
+        if mlp is not None:
+            return _mlp_block(*mlp, h, e, dtype, precision)[0]
+        w, b = jnp.asarray(params["w"])[e].astype(dtype), jnp.asarray(params["b"])[e].astype(dtype)
+        return jnp.matmul(h, w, precision=precision) + b
 
-        def affine(h, w, b):
-            w, b = jnp.asarray(w)[e].astype(dtype), jnp.asarray(b)[e].astype(dtype)
-            return jnp.matmul(h, w, precision=precision) + b
-
-        if "w1" in params:
-            return affine(jax.nn.relu(affine(h, params["w1"], params["b1"])), params["w2"], params["b2"])
-        return affine(h, params["w"], params["b"])
-
-    if "w1" in params and not _BLOCKS_AS_ONE_PRODUCT.get():
-        out = mlp_expert_blocks(*(jnp.asarray(params[name]) for name in ("w1", "b1", "w2", "b2")), x,
-                                block_expert, dtype, precision)
+    if mlp is not None and not _BLOCKS_AS_ONE_PRODUCT.get():
+        out = mlp_expert_blocks(*mlp, x, block_expert, dtype, precision)
     else:
         out = jax.lax.map(run_block, (x, block_expert),
                           batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
@@ -629,14 +625,15 @@ def mlp_expert_blocks(w1: Array, b1: Array, w2: Array, b2: Array, x: Array, bloc
     return _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision)[0]
 
 
-def _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision):
-    def block(args):
-        xb, e = args
-        hidden = jax.nn.relu(jnp.matmul(xb.astype(dtype), w1[e].astype(dtype), precision=precision)
-                             + b1[e].astype(dtype))
-        return jnp.matmul(hidden, w2[e].astype(dtype), precision=precision) + b2[e].astype(dtype), hidden
+def _mlp_block(w1, b1, w2, b2, xb, e, dtype, precision):
+    """One block (rows, d) through expert ``e``'s MLP: (output (rows, o), hidden layer (rows, h))."""
+    hidden = jax.nn.relu(jnp.matmul(xb.astype(dtype), w1[e].astype(dtype), precision=precision)
+                         + b1[e].astype(dtype))
+    return jnp.matmul(hidden, w2[e].astype(dtype), precision=precision) + b2[e].astype(dtype), hidden
 
-    out, hidden = jax.lax.map(block, (x, block_expert))
+
+def _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision):
+    out, hidden = jax.lax.map(lambda a: _mlp_block(w1, b1, w2, b2, *a, dtype, precision), (x, block_expert))
     return out, (w1, w2, x, hidden, block_expert)
 
 
@@ -869,7 +866,7 @@ class MoE(nn.Module):
         num_units, e, k = units.shape[0], self.num_experts, self.k
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)
         strategy = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
-                                    num_assignments=num_units * units.shape[1] * k, train=train)
+                                    num_assignments=num_units * units.shape[1] * k)
 
         if strategy == "dense":
             r = units.shape[1]
