@@ -151,8 +151,80 @@ def encoder_vjp(policy: Policy, params, inst: Instance, rng: jax.Array):
     return jax.vjp(encoder, params)
 
 
+def steps_run_per_device(cfg: PolicyConfig, mesh: Mesh | None) -> bool:
+    """Whether ``stepwise_gradients`` runs its loop over decoding steps on each device's share of the batch
+    by itself (``shard_map``; one all-reduce of the decoder's gradient after the loop) rather than as one
+    loop over the sharded batch, which XLA synchronises at every step: an all-reduce of that step's
+    decoder gradient, and with a decoder MoE one of its importance and load sums. Only for models whose
+    decoding steps use no statistic of the whole batch (no MoE in the decoder, hence no MVMoE-L gate):
+    their gradient is the same either way, up to the order of float sums. POMO-MTL, n = 50, batch 64 over
+    two CPU cores, alternating steps in one process: medians 2.09 and 2.17 s against 2.30 and 2.28 s (8 and
+    10 steps; minima 2.01 and 1.88 against 2.11 and 2.12). The MoE models' decoders would need those
+    statistics passed in from the sampling pass to run per device exactly (README, Training)."""
+    return mesh is not None and mesh.devices.size > 1 and not cfg.moe_at("Dec")
+
+
+def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_weight: jax.Array,
+                    aux_weight: jax.Array):
+    """``f(t, params, cache, gate_probs) -> ((objective, gate_probs), (picked, aux_t))``: the weighted
+    log-probability of step t's recorded action plus the weighted aux loss, for ``jax.vjp``."""
+
+    def step_objective(t, p, c, gate_probs):
+        logp, aux_t, gate_probs = policy.apply(
+            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True,
+            method=Policy.decode, rngs={"gating": jax.random.split(keys[t])[0]})
+        picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
+        picked = jnp.where(traj.active[t], picked, 0.0)
+        objective = jnp.sum(ll_weight * picked) + aux_weight * aux_t
+        return (objective, gate_probs), (picked, aux_t)
+
+    return step_objective
+
+
+def _accumulate_steps(step_objective, params, cache, gate_probs: jax.Array, first, num_steps, ll, aux):
+    """Steps ``first`` .. ``num_steps - 1`` under ``jax.vjp``, one at a time (``lax.while_loop``): the summed
+    cotangents of (params, cache, gate_probs), and ``ll``, ``aux`` plus each step's picked log-probabilities
+    and aux loss."""
+
+    def body(carry):
+        t, g_params, g_cache, g_gate, ll, aux = carry
+        (_, _), vjp_t, (picked, aux_t) = jax.vjp(
+            lambda p, c, g: step_objective(t, p, c, g), params, cache, gate_probs, has_aux=True)
+        dp, dc, dg = vjp_t((jnp.float32(1.0), jnp.zeros_like(gate_probs)))
+        return (t + 1, jax.tree.map(jnp.add, g_params, dp), jax.tree.map(jnp.add, g_cache, dc), g_gate + dg,
+                ll + picked, aux + aux_t)
+
+    zeros = partial(jax.tree.map, jnp.zeros_like)
+    carry = (jnp.int32(first), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux)
+    _, g_params, g_cache, g_gate, ll, aux = jax.lax.while_loop(lambda c: c[0] < num_steps, body, carry)
+    return g_params, g_cache, g_gate, ll, aux
+
+
+def _steps_per_device(policy: Policy, params, cache, traj: RolloutOutput, keys: jax.Array, ll_weight: jax.Array,
+                      aux_weight: jax.Array, mesh: Mesh):
+    """``_accumulate_steps`` over all steps on each device's share of the batch (see ``steps_run_per_device``):
+    (params cotangent summed over devices, cache cotangent (sharded), log-likelihood (B, P), aux)."""
+    batch0, batch1 = P(DATA_AXIS), P(None, DATA_AXIS)
+    traj_specs = RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
+                               aux_loss=P(), num_steps=P(), masks=batch1, dynamic=batch1, active=batch1)
+    cache_specs = jax.tree.map(lambda _: batch0, cache)
+
+    def local(params, cache, traj, ll_weight, aux_weight, keys):
+        step_objective = _step_objective(policy, traj, keys, ll_weight, aux_weight)
+        no_gate = jnp.zeros((2,), jnp.float32)          # no MVMoE-L gate here (steps_run_per_device)
+        ll = jnp.zeros(traj.actions.shape[:2], jnp.float32)
+        g_params, g_cache, _, ll, aux = _accumulate_steps(step_objective, params, cache, no_gate, 0,
+                                                          traj.num_steps, ll, jnp.float32(0.0))
+        return jax.lax.psum(g_params, DATA_AXIS), g_cache, ll, jax.lax.psum(aux, DATA_AXIS)
+
+    # check_vma off: the per-device params cotangents are summed explicitly above.
+    run = jax.shard_map(local, mesh=mesh, in_specs=(P(), cache_specs, traj_specs, batch0, P(), P()),
+                        out_specs=(P(), cache_specs, batch0, P()), check_vma=False)
+    return run(params, cache, traj, ll_weight, aux_weight, keys)
+
+
 def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array,
-                       ll_weight: jax.Array, aux_weight: jax.Array, encoded=None
+                       ll_weight: jax.Array, aux_weight: jax.Array, encoded=None, mesh: Mesh | None = None
                        ) -> tuple[Any, jax.Array, jax.Array]:
     """Gradient in ``params`` of ``sum(ll_weight * log_likelihood) + aux_weight * aux`` over the recorded
     trajectories, taken one decoding step at a time: (gradient, log-likelihood (B, P), aux ()).
@@ -168,39 +240,26 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
 
     ll_weight: (B, P) d loss / d log-likelihood; aux_weight: () d loss / d aux. ``rng`` is the key the
     trajectories were sampled with. ``encoded``: ``encoder_vjp(policy, params, inst, rng)`` when the caller
-    already ran it (``sample_and_train_step``). jit-compatible (``policy`` static).
+    already ran it (``sample_and_train_step``). ``mesh``: the data mesh the batch is sharded over, where
+    the loop may run per device (``steps_run_per_device``). jit-compatible (``policy``, ``mesh`` static).
     """
     _, keys = decoding_keys(rng, traj.masks.shape[0])
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
+    if steps_run_per_device(policy.cfg, mesh):
+        g_params, g_cache, ll, aux_dec = _steps_per_device(policy, params, cache, traj, keys, ll_weight,
+                                                           aux_weight, mesh)
+        (de,) = backward_encoder((g_cache, aux_weight))
+        return jax.tree.map(jnp.add, g_params, de), ll, aux_enc + aux_dec
 
-    def step_objective(t, p, c, gate_probs):
-        """(weighted log-probability of step t's action + weighted aux, gate probs), (picked, aux_t)."""
-        logp, aux_t, gate_probs = policy.apply(
-            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True,
-            method=Policy.decode, rngs={"gating": jax.random.split(keys[t])[0]})
-        picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
-        picked = jnp.where(traj.active[t], picked, 0.0)
-        objective = jnp.sum(ll_weight * picked) + aux_weight * aux_t
-        return (objective, gate_probs), (picked, aux_t)
-
+    step_objective = _step_objective(policy, traj, keys, ll_weight, aux_weight)
     # Step 0 first, forward only: it yields MVMoE-L's gate probabilities for the others (zeros elsewhere).
     (_, gate_probs), step0_vjp, (ll, aux_dec) = jax.vjp(
         lambda p, c: step_objective(0, p, c, None), params, cache, has_aux=True)
     hierarchical = gate_probs is not None
     if not hierarchical:
         gate_probs = jnp.zeros((2,), jnp.float32)
-
-    def body(carry):
-        t, g_params, g_cache, g_gate, ll, aux = carry
-        (_, _), vjp_t, (picked, aux_t) = jax.vjp(
-            lambda p, c, g: step_objective(t, p, c, g), params, cache, gate_probs, has_aux=True)
-        dp, dc, dg = vjp_t((jnp.float32(1.0), jnp.zeros_like(gate_probs)))
-        return (t + 1, jax.tree.map(jnp.add, g_params, dp), jax.tree.map(jnp.add, g_cache, dc), g_gate + dg,
-                ll + picked, aux + aux_t)
-
-    zeros = partial(jax.tree.map, jnp.zeros_like)
-    carry = (jnp.int32(1), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux_dec)
-    _, g_params, g_cache, g_gate, ll, aux_dec = jax.lax.while_loop(lambda c: c[0] < traj.num_steps, body, carry)
+    g_params, g_cache, g_gate, ll, aux_dec = _accumulate_steps(step_objective, params, cache, gate_probs, 1,
+                                                               traj.num_steps, ll, aux_dec)
     dp, dc = step0_vjp((jnp.float32(1.0), g_gate if hierarchical else None))
     (de,) = backward_encoder((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
     grads = jax.tree.map(lambda a, b, c: a + b + c, g_params, dp, de)
@@ -311,11 +370,12 @@ class StepSettings:
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
-               inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int, encoded=None
-               ) -> tuple[TrainState, dict]:
+               inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int, encoded=None,
+               mesh: Mesh | None = None) -> tuple[TrainState, dict]:
     """One optimiser step on sampled trajectories. A non-finite loss or gradient leaves the state as it
     was (``metrics['finite']`` is False) so the caller can stop with the last good parameters.
-    ``encoded``: the stepwise backward's encoder pass, when the caller already ran it."""
+    ``encoded``: the stepwise backward's encoder pass, when the caller already ran it. ``mesh``: the data
+    mesh of the batch (see ``stepwise_gradients``)."""
 
     def loss_of(ll, aux):
         return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
@@ -325,7 +385,7 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
         ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
             traj.log_likelihood, traj.aux_loss)
         grads, ll, aux = stepwise_gradients(policy, state.params, inst, traj, rng, ll_weight, aux_weight,
-                                            encoded=encoded)
+                                            encoded=encoded, mesh=mesh)
         loss, pg = loss_of(ll, aux)
     else:
         def loss_fn(params):
@@ -349,8 +409,8 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
 
 
 def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
-                          state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int
-                          ) -> tuple[TrainState, dict]:
+                          state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int,
+                          mesh: Mesh | None = None) -> tuple[TrainState, dict]:
     """Sampling and the stepwise update in one program, with one encoder pass for both: the encoder runs
     once under ``jax.vjp`` (``encoder_vjp``), the rollout samples from its cache (plus the query fusion,
     computed from it without gradient), and the backward pass reuses the same vjp. Saves the encoder
@@ -366,7 +426,7 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
     traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
                    train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux))
     return train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
-                      encoded=((cache, aux_enc), backward_encoder))
+                      encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
 
 
 def _sorting_per_device(fn, groups: int):
@@ -413,10 +473,11 @@ class StepFunctions:
         self._sample = jax.jit(per_device(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
                                                   max_steps=self.max_steps)),
                                out_shardings=trajectory_shardings(mesh))
-        self._update = jax.jit(per_device(partial(train_step, self.policy, tx, settings)),
+        self._update = jax.jit(per_device(partial(train_step, self.policy, tx, settings, mesh=mesh)),
                                static_argnames="num_steps", out_shardings=(self.replicated, self.replicated))
         self._sample_and_update = jax.jit(
-            per_device(partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps)),
+            per_device(partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps,
+                               mesh=mesh)),
             out_shardings=(self.replicated, self.replicated))
 
     @classmethod

@@ -286,8 +286,10 @@ base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_laye
                     expert_loc=("Enc0", "Dec"))
 out = {"devices": len(jax.devices())}
 # The encoder's MoE layer as the default picks it at this size (dense) and grouped (on the mesh: one sort
-# per device's share of the batch, moe.sort_groups).
-for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped"))):
+# per device's share of the batch, moe.sort_groups); and POMO-MTL, whose decoding steps run per device.
+pomo = PolicyConfig(model="pomo_mtl", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=())
+for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped")),
+                      ("sgd_pomo", pomo)):
     opt = optax.sgd(1e-2)
     params = training.init_params(cfg, jax.random.key(0))
     res = {}
@@ -303,7 +305,9 @@ for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, m
         "param_diff": max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(s1.params),
                                                                      jax.tree.leaves(s2.params))),
         "score": [float(m1["score"]), float(m2["score"])], "loss": [float(m1["loss"]), float(m2["loss"])],
-        "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape)}
+        "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape),
+        "per_device": [training.steps_run_per_device(cfg, training.make_mesh(d))
+                       for d in (jax.devices()[:1], jax.devices())]}
 try:
     fns.batch(jax.random.key(0), 7)
 except ValueError as e:
@@ -319,7 +323,7 @@ def test_sharded_step_equals_the_single_device_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["devices"] == 2
-    for name in ("sgd", "sgd_grouped"):
+    for name in ("sgd", "sgd_grouped", "sgd_pomo"):
         r = out[name]
         assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6), name     # the same trajectories
         # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
@@ -330,6 +334,10 @@ def test_sharded_step_equals_the_single_device_step():
         # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact
         # arithmetic (the bias before an instance norm) into lr-sized steps whichever way sums are ordered.
         assert r["param_diff"] < 1e-6, name
+    # MVMoE-L's decoder MoE and gate use whole-batch statistics at every step: one loop over the sharded
+    # batch. POMO-MTL's steps run per device on the two-device mesh (the single-device step is the reference).
+    assert out["sgd"]["per_device"] == [False, False]
+    assert out["sgd_pomo"]["per_device"] == [False, True]
     # Grouped or dense, the same step.
     assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
     assert "cannot be split over 2 devices" in out["odd_batch"]
