@@ -204,9 +204,8 @@ def _steps_per_device(policy: Policy, params, cache, traj: RolloutOutput, keys: 
                       aux_weight: jax.Array, mesh: Mesh):
     """``_accumulate_steps`` over all steps on each device's share of the batch (see ``steps_run_per_device``):
     (params cotangent summed over devices, cache cotangent (sharded), log-likelihood (B, P), aux)."""
-    batch0, batch1 = P(DATA_AXIS), P(None, DATA_AXIS)
-    traj_specs = RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
-                               aux_loss=P(), num_steps=P(), masks=batch1, dynamic=batch1, active=batch1)
+    batch0 = P(DATA_AXIS)
+    traj_specs = jax.tree.map(lambda sharding: sharding.spec, trajectory_shardings(mesh))
     cache_specs = jax.tree.map(lambda _: batch0, cache)
 
     def local(params, cache, traj, ll_weight, aux_weight, keys):
