@@ -45,28 +45,35 @@ def mixed_batch(size: int, seed: int = 1):
     return jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
 
 
-@pytest.mark.parametrize("fusion,cache_field", [("fused_readout", "readout"), ("fused_query", "node_scores")])
+def states_two_moves_in(inst):
+    """(states, mask, dynamic features) two uniformly random feasible moves into a rollout of ``inst``."""
+    states, _, _ = rollout.initial_states(inst, N)
+    for step in range(2):
+        logp = jnp.log(env.batch_action_mask(states).astype(jnp.float32))
+        states = env.batch_step(states, rollout.sample_actions(jax.random.key(step), logp))
+    return states, env.batch_action_mask(states), rollout.dynamic_features(states)
+
+
+@pytest.mark.parametrize("fusion,cache_field", [("fused_readout", "readout"), ("fused_query", "node_scores"),
+                                                ("hoisted_query", "node_queries")])
 @pytest.mark.parametrize("model", MODELS)
 def test_fusions_give_the_plain_log_probabilities(model, fusion, cache_field):
     """Each decoder fusion (readout: the combining maps folded into the node embeddings; query: every
-    possible query's attention scores precomputed) gives the log-probabilities of the plain path, two
-    steps into a rollout (varied current nodes and dynamic features)."""
+    possible query's attention scores precomputed; hoisted query: the query projection's node part
+    precomputed, training's differentiable form) gives the log-probabilities of the plain path, two steps
+    into a rollout (varied current nodes and dynamic features)."""
     cfg = small_config(model)
     assert cfg.uses_fused_readout and cfg.fused_query
-    plain_cfg = dataclasses.replace(cfg, **{fusion: False})
+    plain_cfg = dataclasses.replace(cfg, **{"fused_query" if fusion == "hoisted_query" else fusion: False})
     params = perturbed_params(cfg)
     inst = mixed_batch(8)
     fused, plain = Policy(cfg), Policy(plain_cfg)
-    states, _, _ = rollout.initial_states(inst, N)
-    for step in range(2):     # two uniformly random feasible moves
-        logp = jnp.log(env.batch_action_mask(states).astype(jnp.float32))
-        states = env.batch_step(states, rollout.sample_actions(jax.random.key(step), logp))
-    mask = env.batch_action_mask(states)
-    dyn = rollout.dynamic_features(states)
+    states, mask, dyn = states_two_moves_in(inst)
     assert float(jnp.abs(dyn[..., :3]).max()) > 0 and len(np.unique(np.asarray(states.current))) > 3
     outs = []
     for policy in (fused, plain):
-        cache, _ = rollout.encode(policy, params, inst, jax.random.key(0))
+        emb, _ = rollout.encode_nodes(policy, params, inst, jax.random.key(0))
+        cache = policy.apply(params, emb, fusion != "hoisted_query", method=Policy.precompute)
         assert (getattr(cache, cache_field) is not None) == (policy is fused)
         outs.append(policy.apply(params, cache, states.current, dyn, mask, None, False, method=Policy.decode,
                                  rngs={"gating": jax.random.key(3)}))
@@ -77,6 +84,37 @@ def test_fusions_give_the_plain_log_probabilities(model, fusion, cache_field):
     assert float(aux_f) == pytest.approx(float(aux_p), rel=1e-5, abs=1e-8)
     if cfg.hierarchical:
         np.testing.assert_allclose(probs_f, probs_p, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_hoisted_query_gives_the_plain_gradient(model):
+    """The training backward's hoisted query projection (``DecoderCache.node_queries``) differentiates to
+    the plain path's gradient: encoder, precomputation and one decoding step in training mode, the
+    log-probabilities weighted at random."""
+    cfg = small_config(model)
+    params = perturbed_params(cfg, seed=3)
+    inst = mixed_batch(8, seed=2)
+    states, mask, dyn = states_two_moves_in(inst)
+    weights = jax.random.normal(jax.random.key(5), mask.shape)
+    grads = []
+    for policy in (Policy(cfg), Policy(dataclasses.replace(cfg, fused_query=False))):
+        def objective(p):
+            emb, aux = rollout.encode_nodes(policy, p, inst, jax.random.key(0), True)
+            cache = policy.apply(p, emb, False, method=Policy.precompute)
+            assert (cache.node_queries is not None) == policy.cfg.fused_query
+            logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, method=Policy.decode,
+                                          rngs={"gating": jax.random.key(3)})
+            return jnp.sum(jnp.where(mask, logp * weights, 0.0)) + aux + aux_t
+
+        grads.append(jax.grad(objective)(params))
+    hoisted, plain = (jax.tree_util.tree_flatten_with_path(g)[0] for g in grads)
+    wq = [np.asarray(x) for path, x in hoisted if "Wq_last" in jax.tree_util.keystr(path)]
+    assert wq and float(np.abs(wq[0]).max()) > 1e-3
+    # float32 rounding, relative to the gradient's scale: some leaves are zero but for rounding (the biases
+    # that an instance norm follows)
+    scale = max(float(np.abs(b).max()) for _, b in plain)
+    for (path, a), (_, b) in zip(hoisted, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("model", MODELS)
