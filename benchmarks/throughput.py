@@ -209,6 +209,9 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
                    chunk_size: int | None, **cfg_kw) -> dict:
     cfg, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
                                                                          chunk_size, **cfg_kw)
+    # Placed on the devices once, as evaluation.evaluate_batches does (the PyTorch peers' weights, too,
+    # stay where they were loaded); the instances are copied at every call.
+    params = rollout.replicated(params)
     res = jax.block_until_ready(compiled(params, inst, jax.random.key(0)))
     seconds = min(_timed(lambda: jax.block_until_ready(compiled(params, inst, jax.random.key(r))))
                   for r in range(repeats))

@@ -451,7 +451,12 @@ def replicated(tree, num_devices: int | None = None):
     mesh = local_mesh(num_devices)
     if mesh.devices.size == 1:
         return tree
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    target = NamedSharding(mesh, P())
+    # Checked here rather than left to device_put, which took ~5 ms for MVMoE's 112 already-placed parameter
+    # arrays on a 2-core CPU: 2% of a latency-sized evaluation (one n = 100 instance, x8).
+    if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim) for x in jax.tree.leaves(tree)):
+        return tree
+    return jax.device_put(tree, target)
 
 
 @partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size", "num_devices"))

@@ -194,6 +194,7 @@ for model in ("pomo_mtl", "mvmoe_light"):      # the plain path, and the gate po
         out["replicated_again_is_no_copy"] = all(
             sa.data.unsafe_buffer_pointer() == sb.data.unsafe_buffer_pointer()
             for a, b in zip(leaves, again) for sa, sb in zip(a.addressable_shards, b.addressable_shards))
+        out["replicated_again_returns_them"] = all(a is b for a, b in zip(leaves, again))
         res2 = rollout.greedy_evaluate(cfg, placed, inst, jax.random.key(4), pomo_size=N, chunk_size=5)
         out["replicated_same_obj"] = bool(np.array_equal(res.obj, res2.obj))
 try:
@@ -224,7 +225,8 @@ def test_greedy_evaluation_over_two_cpu_devices_equals_one_device():
             np.testing.assert_array_equal(np.asarray(out[model][field]), np.asarray(getattr(one, field)),
                                           err_msg=f"{model} {field}")
     assert "already started with 2" in out["late"]
-    assert out["replicated_devices"] == [2] and out["replicated_again_is_no_copy"] and out["replicated_same_obj"]
+    assert out["replicated_devices"] == [2] and out["replicated_again_is_no_copy"]
+    assert out["replicated_again_returns_them"] and out["replicated_same_obj"]
 
 
 def test_largest_divisor_at_most():
