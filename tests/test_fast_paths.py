@@ -86,27 +86,36 @@ def test_fusions_give_the_plain_log_probabilities(model, fusion, cache_field):
         np.testing.assert_allclose(probs_f, probs_p, rtol=1e-6)
 
 
+@pytest.mark.parametrize("given_scores", [False, True], ids=["hoisted", "scores_from_tables"])
 @pytest.mark.parametrize("model", MODELS)
-def test_hoisted_query_gives_the_plain_gradient(model):
+def test_hoisted_query_gives_the_plain_gradient(model, given_scores):
     """The training backward's hoisted query projection (``DecoderCache.node_queries``) differentiates to
     the plain path's gradient: encoder, precomputation and one decoding step in training mode, the
-    log-probabilities weighted at random."""
+    log-probabilities weighted at random. Also with the attention scores gathered from the query fusion's
+    tables, given without gradient (what ``sample_and_train_step`` passes its backward pass): the gradient
+    then flows through the hoisted query and the keys (``attention_with_given_scores``)."""
     cfg = small_config(model)
     params = perturbed_params(cfg, seed=3)
     inst = mixed_batch(8, seed=2)
     states, mask, dyn = states_two_moves_in(inst)
     weights = jax.random.normal(jax.random.key(5), mask.shape)
-    grads = []
+    grads, values = [], []
     for policy in (Policy(cfg), Policy(dataclasses.replace(cfg, fused_query=False))):
         def objective(p):
             emb, aux = rollout.encode_nodes(policy, p, inst, jax.random.key(0), True)
             cache = policy.apply(p, emb, False, method=Policy.precompute)
             assert (cache.node_queries is not None) == policy.cfg.fused_query
+            if given_scores and policy.cfg.fused_query:
+                tables = jax.lax.stop_gradient(policy.apply(p, cache, method=Policy.with_query_scores))
+                cache = cache.replace(node_scores=tables.node_scores, feature_scores=tables.feature_scores)
             logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, method=Policy.decode,
                                           rngs={"gating": jax.random.key(3)})
             return jnp.sum(jnp.where(mask, logp * weights, 0.0)) + aux + aux_t
 
-        grads.append(jax.grad(objective)(params))
+        value, grad = jax.value_and_grad(objective)(params)
+        values.append(float(value))
+        grads.append(grad)
+    assert values[0] == pytest.approx(values[1], rel=1e-5)
     hoisted, plain = (jax.tree_util.tree_flatten_with_path(g)[0] for g in grads)
     wq = [np.asarray(x) for path, x in hoisted if "Wq_last" in jax.tree_util.keystr(path)]
     assert wq and float(np.abs(wq[0]).max()) > 1e-3

@@ -44,6 +44,16 @@ def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None
     return merge_heads((out / jnp.sum(unnormalised, axis=-1, keepdims=True)).astype(v.dtype))
 
 
+def attention_with_given_scores(q: jax.Array, k: jax.Array, v: jax.Array, score: jax.Array,
+                                mask: jax.Array | None = None) -> jax.Array:
+    """``multi_head_attention(q, k, v, mask)`` whose forward pass takes the scaled scores ``q . k / sqrt(d)``
+    (B, H, m, n) as given (computed more cheaply elsewhere, e.g. gathered from a per-rollout table) instead
+    of multiplying q and k again. The backward pass is ``multi_head_attention``'s: cotangents for q, k and v
+    as if the scores had been computed from them, none for ``score`` itself (it must not depend on anything
+    differentiated except through q and k). Returns (B, m, H*d)."""
+    return merge_heads(_attention_given_scores(q, k, v, score, mask))
+
+
 def _weighted_values(score, v, mask):
     """(softmax(masked score) @ v (B, H, m, d), the softmax weights)."""
     if mask is not None:
@@ -89,6 +99,25 @@ def _attention(q, k, v, mask):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _attention_given_scores_fwd(q, k, v, score, mask):
+    out, weights = _weighted_values(score, v, mask)
+    return out, ((q, k, v, weights), score)
+
+
+def _attention_given_scores_bwd(residuals, g):
+    attention_residuals, score = residuals
+    dq, dk, dv, _ = _attention_bwd(attention_residuals, g)
+    return dq, dk, dv, jnp.zeros_like(score), None
+
+
+@jax.custom_vjp
+def _attention_given_scores(q, k, v, score, mask):
+    return _attention_given_scores_fwd(q, k, v, score, mask)[0]
+
+
+_attention_given_scores.defvjp(_attention_given_scores_fwd, _attention_given_scores_bwd)
 
 
 class InstanceNorm(nn.Module):

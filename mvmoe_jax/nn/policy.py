@@ -23,7 +23,8 @@ from flax import struct
 
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn import moe as moe_lib
-from mvmoe_jax.nn.attention import InstanceNorm, attention_from_scores, multi_head_attention, split_heads
+from mvmoe_jax.nn.attention import (InstanceNorm, attention_from_scores, attention_with_given_scores,
+                                    multi_head_attention, split_heads)
 from mvmoe_jax.nn.layers import Dense
 
 MODELS = ("pomo", "pomo_mtl", "mvmoe", "mvmoe_light")
@@ -153,7 +154,9 @@ class DecoderCache:
       differentiable form, which training's backward pass asks for (``precompute(..., fuse_query=False)``).
       A step's query is then ``node_queries[current] + dynamic @ Wq[D:]``: a row gather, whose cotangent is
       a row scatter, instead of a (D + F) x D projection per trajectory, its input cotangent and its
-      weight cotangent. None when node_scores is set, or without the query fusion.
+      weight cotangent. None without the query fusion. With node_scores too (training's backward pass,
+      the tables given without gradient), a step's scores are gathered from the tables and its gradient
+      flows through the query and the keys (``attention_with_given_scores``): no per-step query-key product.
     """
 
     embeddings: jax.Array
@@ -432,15 +435,23 @@ class Policy(nn.Module):
 
     def decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                           mask: jax.Array) -> jax.Array:
-        """The decoder's multi-head attention output (B, P, D), before the combining projection."""
+        """The decoder's multi-head attention output (B, P, D), before the combining projection.
+
+        Which path runs follows from the cache: the query fusion (node_scores, forward only); the hoisted
+        query projection (node_queries); both (training's backward pass: the scores are gathered from the
+        tables, the gradient flows through the hoisted query, see ``attention_with_given_scores``); or
+        neither (the plain projection)."""
+        cfg = self.cfg
+        given_scores = None
         if cache.node_scores is not None:
             # The query fusion: the current node's row of scores plus each dynamic feature's.
             score = jax.vmap(lambda table, cur: table[:, cur, :])(cache.node_scores, current.astype(jnp.int32))
             dyn = dynamic.astype(jnp.float32)
             for f in range(dyn.shape[-1]):
                 score = score + dyn[:, None, :, f, None] * cache.feature_scores[:, :, f, None, :]
-            return attention_from_scores(score, cache.values, mask)
-        cfg = self.cfg
+            if cache.node_queries is None:
+                return attention_from_scores(score, cache.values, mask)
+            given_scores = score
         current = current[..., None].astype(jnp.int32)
         if cache.node_queries is not None:
             # The hoisted projection: the node part's row plus the dynamic features' part.
@@ -454,6 +465,8 @@ class Policy(nn.Module):
             query = self.Wq_last(jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1))
         # Heads-major (B, H, P, d) products: measured faster on CPU than keeping heads inside each query.
         q = split_heads(query, cfg.num_heads)
+        if given_scores is not None:
+            return attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask)
         return multi_head_attention(q, cache.keys, cache.values, mask)
 
     def hierarchical_gate_probs(self, pooled: jax.Array) -> jax.Array:
