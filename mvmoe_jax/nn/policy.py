@@ -309,7 +309,8 @@ class Policy(nn.Module):
         (800 trajectories, n = 50). Training's backward pass asks for ``fuse_query=False``: the cotangent of
         that gather would be a scatter into the (B, H, N, N) table at every step (measured 2.3x slower
         steps), so there only the projection of the node part is hoisted (``DecoderCache.node_queries``),
-        whose gather's cotangent is a scatter of D-wide rows.
+        whose gather's cotangent is a scatter of D-wide rows; ``stepwise_gradients`` adds the tables
+        without gradient, to gather the scores from (see ``DecoderCache``).
         """
         cfg = self.cfg
         h = cfg.num_heads
