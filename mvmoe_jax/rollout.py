@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mvmoe_jax import env
 from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
 from mvmoe_jax.instances import BACKHAUL_RATIO, Instance, augment_8
-from mvmoe_jax.nn.policy import DecoderCache, Policy, PolicyConfig
+from mvmoe_jax.nn.policy import DecoderCache, DecoderRecord, Policy, PolicyConfig
 
 
 @struct.dataclass
@@ -33,7 +33,10 @@ class RolloutOutput:
 
     With ``record=True`` the decoder's inputs at every step t < T are kept for a teacher-forced replay
     (unrun steps look like finished trajectories): masks bool (T, B, P, N), dynamic f32 (T, B, P, 4),
-    active bool (T, B, P) (the trajectory had not finished before step t). Otherwise they are None."""
+    active bool (T, B, P) (the trajectory had not finished before step t). Otherwise they are None.
+    With ``record_decoder=True`` too, decoder: the ``DecoderRecord`` of every step, each array with a
+    leading step axis (T, B, ...), so that the backward pass need not recompute them (zeros past the last
+    step run)."""
 
     actions: jax.Array
     log_likelihood: jax.Array
@@ -45,6 +48,7 @@ class RolloutOutput:
     masks: jax.Array | None = None
     dynamic: jax.Array | None = None
     active: jax.Array | None = None
+    decoder: DecoderRecord | None = None
 
 
 def num_starts(num_customers: int, has_backhaul, pomo_size: int):
@@ -143,7 +147,8 @@ def initial_states(inst: Instance, pomo_size: int) -> tuple[env.State, jax.Array
 def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_type: str = "greedy",
             rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None,
             record: bool = False, encoded: tuple[DecoderCache, jax.Array] | None = None,
-            gate_probs: jax.Array | None = None, log_likelihood: bool = True) -> RolloutOutput:
+            gate_probs: jax.Array | None = None, log_likelihood: bool = True,
+            record_decoder: bool = False) -> RolloutOutput:
     """Decode every start of every instance (batched Instance, B) until all finish.
 
     decode_type: 'greedy' (argmax) or 'sampling'. ``rng`` drives sampling, MoE gating noise in training
@@ -153,13 +158,17 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     dense-or-MoE probabilities (2,) when they come from a larger batch than ``inst`` (see
     ``greedy_evaluate``), else computed at the first step from this batch. ``log_likelihood=False``
     (greedy only) skips the per-step log-softmax, which greedy choices do not need; the output's
-    log_likelihood is then zero.
-    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record, log_likelihood static).
+    log_likelihood is then zero. ``record_decoder`` (with ``record``) also keeps each step's
+    ``DecoderRecord`` (see RolloutOutput; memory: ``decoder_record_bytes``).
+    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record, log_likelihood,
+    record_decoder static).
     """
     if decode_type not in ("greedy", "sampling"):
         raise ValueError(f"decode_type must be 'greedy' or 'sampling', got {decode_type!r}")
     if not log_likelihood and decode_type != "greedy":
         raise ValueError("sampling needs the log-probabilities: log_likelihood=False is for greedy decoding")
+    if record_decoder and not record:
+        raise ValueError("record_decoder=True needs record=True")
     rng = jax.random.key(0) if rng is None else rng
     n = inst.locs.shape[-2] - 1
     steps = 2 * n if max_steps is None else max_steps      # a depot visit per customer at most
@@ -173,8 +182,8 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         k_gate, k_pick = jax.random.split(key)
         mask = env.batch_action_mask(states)
         dyn = dynamic_features(states)
-        logp, aux_t, gate_probs = policy.apply(
-            params, cache, states.current, dyn, mask, gate_probs, train, log_likelihood,
+        logp, aux_t, gate_probs, *decoder_t = policy.apply(
+            params, cache, states.current, dyn, mask, gate_probs, train, log_likelihood, record_decoder,
             method=Policy.decode, rngs={"gating": k_gate})
         if decode_type == "greedy":
             action = first_argmax(logp)
@@ -186,25 +195,27 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
             chosen = jnp.where(states.finished, 0.0, chosen)
         else:
             chosen = jnp.zeros(action.shape, jnp.float32)
-        record_t = (mask, dyn, ~states.finished)
+        record_t = (mask, dyn, ~states.finished, *decoder_t)
         return env.batch_step(states, action), action, chosen, aux_t, gate_probs, record_t
 
     def write(buffers, t, action, record_t):
         actions = jax.lax.dynamic_update_slice_in_dim(buffers[0], action[..., None], t + 1, axis=2)
         if not record:
             return (actions,)
-        return (actions,) + tuple(jax.lax.dynamic_update_index_in_dim(buf, x, t, axis=0)
-                                  for buf, x in zip(buffers[1:], record_t))
+        return (actions,) + jax.tree.map(lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, t, axis=0),
+                                         buffers[1:], record_t)
 
-    buffers = (jnp.zeros((b, p, steps + 1), jnp.int32).at[:, :, 0].set(starts),)
-    if record:
-        n1 = inst.locs.shape[-2]
-        buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
-                    jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
     # The first decoding step is peeled off the loop: MVMoE-L computes its gate probabilities there.
     states, a0, ll, aux_t, gate_probs, record_0 = decode_step(states, gate_probs, keys[0])
     if gate_probs is None:
         gate_probs = jnp.zeros((2,), jnp.float32)
+    buffers = (jnp.zeros((b, p, steps + 1), jnp.int32).at[:, :, 0].set(starts),)
+    if record:
+        # Unrun steps look like finished trajectories: only the depot feasible.
+        n1 = inst.locs.shape[-2]
+        buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
+                    jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
+        buffers += tuple(jax.tree.map(lambda x: jnp.zeros((steps,) + x.shape, x.dtype), record_0[3:]))
     buffers = write(buffers, 0, a0, record_0)
 
     def cond(carry):
@@ -219,7 +230,7 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     carry = (jnp.int32(1), states, buffers, ll, aux + aux_t, gate_probs)
     t, states, buffers, ll, aux, _ = jax.lax.while_loop(cond, body, carry)
     cost = jnp.where(valid, states.cost, jnp.inf)
-    recorded = dict(zip(("masks", "dynamic", "active"), buffers[1:]))
+    recorded = dict(zip(("masks", "dynamic", "active", "decoder"), buffers[1:]))
     return RolloutOutput(actions=buffers[0], log_likelihood=ll, cost=cost, valid=valid,
                          finished=states.finished, aux_loss=aux, num_steps=t, **recorded)
 

@@ -53,10 +53,13 @@ from mvmoe_jax import problems
 from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.nn import moe as moe_lib
-from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.nn.policy import DecoderRecord, Policy, PolicyConfig, decoder_record_floats
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
 
 BACKWARDS = ("auto", "stepwise", "replay")
+REUSE_SAMPLING = ("auto", "always", "never")
+# Largest decoder record (per device) that ``reuse_sampling='auto'`` keeps: see ``reuses_sampling_pass``.
+DECODER_RECORD_BUDGET_BYTES = 1 << 30
 
 
 class NonFiniteError(RuntimeError):
@@ -67,12 +70,14 @@ class NonFiniteError(RuntimeError):
 # Sampling with a record of the decoder's inputs
 # ----------------------------------------------------------------------------------------------------
 
-def trajectory_shardings(mesh: Mesh) -> RolloutOutput:
-    """Batch-sharded placement of a recorded rollout (the batch axis is 0, or 1 after a step axis)."""
+def trajectory_shardings(mesh: Mesh, decoder: bool = False) -> RolloutOutput:
+    """Batch-sharded placement of a recorded rollout (the batch axis is 0, or 1 after a step axis), with
+    or without the decoder record (``rollout(..., record_decoder=True)``)."""
     batch0, batch1, rep = (NamedSharding(mesh, P(DATA_AXIS)), NamedSharding(mesh, P(None, DATA_AXIS)),
                            NamedSharding(mesh, P()))
     return RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
-                         aux_loss=rep, num_steps=rep, masks=batch1, dynamic=batch1, active=batch1)
+                         aux_loss=rep, num_steps=rep, masks=batch1, dynamic=batch1, active=batch1,
+                         decoder=DecoderRecord(batch1, batch1, batch1) if decoder else None)
 
 
 def max_decoding_steps(num_customers: int, bucket: int) -> int:
@@ -87,12 +92,13 @@ def replay_bucket(num_customers: int, bucket: int = 0) -> int:
 
 
 def sample_trajectories(policy: Policy, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                        max_steps: int) -> RolloutOutput:
+                        max_steps: int, record_decoder: bool = False) -> RolloutOutput:
     """Sample every POMO start of every instance in training mode (MoE gating noise on), recording the
-    decoder's inputs at each of ``max_steps`` steps for ``replay``. jit-compatible (``policy``,
-    ``pomo_size``, ``max_steps`` static)."""
+    decoder's inputs at each of ``max_steps`` steps for ``replay`` (with ``record_decoder`` also what
+    ``stepwise_gradients`` can take instead of recomputing, see ``reuses_sampling_pass``). jit-compatible
+    (``policy``, ``pomo_size``, ``max_steps``, ``record_decoder`` static)."""
     return rollout(policy, params, inst, pomo_size=pomo_size, decode_type="sampling", rng=rng, train=True,
-                   max_steps=max_steps, record=True)
+                   max_steps=max_steps, record=True, record_decoder=record_decoder)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,13 +175,15 @@ def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_wei
     """``f(t, params, cache, gate_probs) -> ((objective, gate_probs), (picked, aux_t))``: the weighted
     log-probability of step t's recorded action plus the weighted aux loss, for ``jax.vjp``.
     ``score_tables``: (node_scores, feature_scores) of the query fusion, without gradient, from which each
-    step's attention scores are gathered instead of computed (see ``Policy.decoder_attention``)."""
+    step's attention scores are gathered instead of computed (see ``Policy.decoder_attention``). With a
+    decoder record in ``traj`` each step takes its attention and readout products from it instead."""
 
     def step_objective(t, p, c, gate_probs):
         if score_tables is not None:
             c = c.replace(node_scores=score_tables[0], feature_scores=score_tables[1])
+        given = None if traj.decoder is None else jax.tree.map(lambda x: x[t], traj.decoder)
         logp, aux_t, gate_probs = policy.apply(
-            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True,
+            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True, given=given,
             method=Policy.decode, rngs={"gating": jax.random.split(keys[t])[0]})
         picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
         picked = jnp.where(traj.active[t], picked, 0.0)
@@ -209,7 +217,8 @@ def _steps_per_device(policy: Policy, params, cache, traj: RolloutOutput, keys: 
     """``_accumulate_steps`` over all steps on each device's share of the batch (see ``steps_run_per_device``):
     (params cotangent summed over devices, cache cotangent (sharded), log-likelihood (B, P), aux)."""
     batch0 = P(DATA_AXIS)
-    traj_specs = jax.tree.map(lambda sharding: sharding.spec, trajectory_shardings(mesh))
+    traj_specs = jax.tree.map(lambda sharding: sharding.spec,
+                              trajectory_shardings(mesh, decoder=traj.decoder is not None))
     cache_specs = jax.tree.map(lambda _: batch0, cache)
 
     def local(params, cache, traj, ll_weight, aux_weight, keys, score_tables):
@@ -258,7 +267,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     _, keys = decoding_keys(rng, traj.masks.shape[0])
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
     score_tables = None
-    if policy.cfg.fused_query:
+    if policy.cfg.fused_query and traj.decoder is None:
         tables = jax.lax.stop_gradient(policy.apply(params, cache, method=Policy.with_query_scores))
         score_tables = (tables.node_scores, tables.feature_scores)
     if steps_run_per_device(policy.cfg, mesh):
@@ -372,10 +381,13 @@ class StepSettings:
     backward: str = "auto"      # auto (= stepwise) | stepwise | replay; see resolved_backward
     replay_chunk: int = 8
     replay_remat: bool = False
+    reuse_sampling: str = "auto"   # auto | always | never; see reuses_sampling_pass
 
     def __post_init__(self):
         if self.backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
+        if self.reuse_sampling not in REUSE_SAMPLING:
+            raise ValueError(f"reuse_sampling must be one of {REUSE_SAMPLING}, got {self.reuse_sampling!r}")
 
     @property
     def resolved_backward(self) -> str:
@@ -424,6 +436,44 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     return new, metrics
 
 
+def decoder_record_bytes(cfg: PolicyConfig, trajectories: int, num_nodes: int, steps: int) -> int:
+    """Memory of a rollout's decoder record: ``steps`` x ``trajectories`` (instances x starts) x
+    ``decoder_record_floats`` float32 values."""
+    return 4 * steps * trajectories * decoder_record_floats(cfg, num_nodes)
+
+
+def reuses_sampling_pass(settings: StepSettings, cfg: PolicyConfig, *, trajectories_per_device: int,
+                         num_nodes: int, max_steps: int, platform: str) -> bool:
+    """Whether ``sample_and_train_step`` records each decoding step's attention weights, attention output
+    and readout scores while sampling (``rollout(..., record_decoder=True)``) so that the backward loop
+    takes them instead of computing the attention and the readout product again.
+
+    ``always`` / ``never`` decide; ``auto`` records on a CPU when the record fits in
+    ``DECODER_RECORD_BUDGET_BYTES`` per device, the record being a float per attention weight, 8 x N per
+    trajectory and step: 0.5 GB per device for 32 instances of n = 50 over its 104 recorded steps, 3.5 GB
+    at n = 100. On a GPU it is not measured, and the recomputation it saves is cheap there. Needs the
+    readout fusion (``PolicyConfig.uses_fused_readout``); without it, never."""
+    if not cfg.uses_fused_readout or settings.reuse_sampling == "never":
+        return False
+    if settings.reuse_sampling == "always":
+        return True
+    size = decoder_record_bytes(cfg, trajectories_per_device, num_nodes, max_steps)
+    return platform == "cpu" and size <= DECODER_RECORD_BUDGET_BYTES
+
+
+def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, max_steps: int,
+                    mesh: Mesh | None) -> bool:
+    """``reuses_sampling_pass`` for a batch of ``inst`` split over ``mesh`` (None: the default device), with
+    the stepwise backward (the replay recomputes everything)."""
+    if settings.resolved_backward != "stepwise":
+        return False
+    num_devices = 1 if mesh is None else mesh.devices.size
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    return reuses_sampling_pass(settings, cfg, num_nodes=inst.locs.shape[-2], max_steps=max_steps,
+                                trajectories_per_device=inst.locs.shape[0] * settings.pomo_size // num_devices,
+                                platform=platform)
+
+
 def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
                           state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int,
                           mesh: Mesh | None = None) -> tuple[TrainState, dict]:
@@ -441,7 +491,8 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
         sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
     traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
-                   train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux))
+                   train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux),
+                   record_decoder=records_decoder(settings, policy.cfg, inst, max_steps, mesh))
     return train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
                       encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
 
@@ -486,10 +537,14 @@ class StepFunctions:
         self._batch = jax.jit(partial(generate_training_batch, num_customers=num_customers,
                                       variant_flags=flags, mixed=mixed),
                               static_argnums=1, out_shardings=self.batch_sharding)
+        self.settings = settings
         per_device = partial(_sorting_per_device, groups=self.num_devices)
-        self._sample = jax.jit(per_device(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
-                                                  max_steps=self.max_steps)),
-                               out_shardings=trajectory_shardings(mesh))
+        # With and without the decoder record (records_decoder: the batch's size decides).
+        self._samples = {record: jax.jit(per_device(partial(sample_trajectories, self.policy,
+                                                            pomo_size=settings.pomo_size, max_steps=self.max_steps,
+                                                            record_decoder=record)),
+                                         out_shardings=trajectory_shardings(mesh, decoder=record))
+                         for record in (False, True)}
         self._update = jax.jit(per_device(partial(train_step, self.policy, tx, settings, mesh=mesh)),
                                static_argnames="num_steps", out_shardings=(self.replicated, self.replicated))
         self._sample_and_update = jax.jit(
@@ -523,6 +578,12 @@ class StepFunctions:
         self.check_batch_size(size)
         return self._batch(key, size)
 
+    def _sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
+        """The jitted sampler, with the decoder record when the one-program step would keep it (so that
+        ``sample`` then ``update`` computes what ``sample_and_update`` does)."""
+        record = records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh)
+        return self._samples[record](params, inst, rng)
+
     def sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
         self.check_batch_size(inst.locs.shape[0])
         return self._sample(params, jax.device_put(inst, self.batch_sharding), rng)
@@ -555,8 +616,9 @@ class StepFunctions:
         inst = jax.device_put(inst, self.batch_sharding)
         if not self.replays:
             return program_memory_bytes(self._sample_and_update.lower(state, inst, rng).compile())
-        traj = jax.eval_shape(self._sample, state.params, inst, rng)
-        sample = program_memory_bytes(self._sample.lower(state.params, inst, rng).compile())
+        sampler = self._samples[False]          # the replay recomputes everything: no decoder record
+        traj = jax.eval_shape(sampler, state.params, inst, rng)
+        sample = program_memory_bytes(sampler.lower(state.params, inst, rng).compile())
         update = self._update.lower(state, inst, traj, rng, num_steps=num_steps or self.max_steps).compile()
         return max(sample, program_memory_bytes(update))
 

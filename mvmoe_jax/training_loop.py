@@ -84,6 +84,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
              f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
     _require(config.backward in training.BACKWARDS,
              f"backward must be one of {', '.join(training.BACKWARDS)}, got {config.backward!r}")
+    _require(config.get("reuse_sampling", "auto") in training.REUSE_SAMPLING,
+             f"reuse_sampling must be one of {', '.join(training.REUSE_SAMPLING)}, got {config.reuse_sampling!r}")
     for name in ("matmul_precision", "eval_matmul_precision"):
         precision.check(config.get(name, "default"), what=name)
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
@@ -116,7 +118,8 @@ def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> St
     settings = StepSettings(pomo_size=config.pomo_size,
                             aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
                             backward=config.backward, replay_chunk=config.replay_chunk,
-                            replay_remat=config.replay_remat)
+                            replay_remat=config.replay_remat,
+                            reuse_sampling=config.get("reuse_sampling", "auto"))
     # 'auto' resolved here, so that a run asking for it and one naming the backend's default share the cache.
     settings = dataclasses.replace(settings, backward=settings.resolved_backward)
     return StepFunctions.cached(plan.policy, plan.optimizer, settings, num_customers=config.problem_size,

@@ -86,14 +86,18 @@ def test_fusions_give_the_plain_log_probabilities(model, fusion, cache_field):
         np.testing.assert_allclose(probs_f, probs_p, rtol=1e-6)
 
 
-@pytest.mark.parametrize("given_scores", [False, True], ids=["hoisted", "scores_from_tables"])
+@pytest.mark.parametrize("given", ["", "scores_from_tables", "sampling_record"],
+                         ids=["hoisted", "scores_from_tables", "sampling_record"])
 @pytest.mark.parametrize("model", MODELS)
-def test_hoisted_query_gives_the_plain_gradient(model, given_scores):
+def test_hoisted_query_gives_the_plain_gradient(model, given):
     """The training backward's hoisted query projection (``DecoderCache.node_queries``) differentiates to
     the plain path's gradient: encoder, precomputation and one decoding step in training mode, the
     log-probabilities weighted at random. Also with the attention scores gathered from the query fusion's
     tables, given without gradient (what ``sample_and_train_step`` passes its backward pass): the gradient
-    then flows through the hoisted query and the keys (``attention_with_given_scores``)."""
+    then flows through the hoisted query and the keys (``attention_with_given_scores``). And with the
+    step's attention and readout products taken from the record of a forward-only pass over the same
+    inputs (the sampling pass's ``DecoderRecord``, ``reuses_sampling_pass``): the gradient flows through
+    ``attention_with_given_weights`` and ``readout_product_given``."""
     cfg = small_config(model)
     params = perturbed_params(cfg, seed=3)
     inst = mixed_batch(8, seed=2)
@@ -105,14 +109,24 @@ def test_hoisted_query_gives_the_plain_gradient(model, given_scores):
             emb, aux = rollout.encode_nodes(policy, p, inst, jax.random.key(0), True)
             cache = policy.apply(p, emb, False, method=Policy.precompute)
             assert (cache.node_queries is not None) == policy.cfg.fused_query
-            if given_scores and policy.cfg.fused_query:
+            record = None
+            if given == "scores_from_tables" and policy.cfg.fused_query:
                 tables = jax.lax.stop_gradient(policy.apply(p, cache, method=Policy.with_query_scores))
                 cache = cache.replace(node_scores=tables.node_scores, feature_scores=tables.feature_scores)
-            logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, method=Policy.decode,
-                                          rngs={"gating": jax.random.key(3)})
-            return jnp.sum(jnp.where(mask, logp * weights, 0.0)) + aux + aux_t
+            if given == "sampling_record" and policy.cfg.fused_query:
+                sampling_cache = policy.apply(p, cache, method=Policy.with_query_scores).replace(node_queries=None)
+                *sampled, record = jax.lax.stop_gradient(policy.apply(
+                    p, sampling_cache, states.current, dyn, mask, None, True, True, True, method=Policy.decode,
+                    rngs={"gating": jax.random.key(3)}))
+                assert record.attention_weights.shape == mask.shape[:1] + (cfg.num_heads,) + mask.shape[1:]
+            logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, given=record,
+                                          method=Policy.decode, rngs={"gating": jax.random.key(3)})
+            recorded_logp = logp if record is None else sampled[0]
+            return jnp.sum(jnp.where(mask, logp * weights, 0.0)) + aux + aux_t, (logp, recorded_logp)
 
-        value, grad = jax.value_and_grad(objective)(params)
+        (value, (logp, recorded_logp)), grad = jax.value_and_grad(objective, has_aux=True)(params)
+        # The record's pass computed these log-probabilities too.
+        np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, recorded_logp, 0), atol=1e-6)
         values.append(float(value))
         grads.append(grad)
     assert values[0] == pytest.approx(values[1], rel=1e-5)

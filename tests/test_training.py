@@ -3,6 +3,7 @@ resume, the sharded step and non-finite losses (train.py's command line: test_tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import REPO_ROOT
@@ -86,19 +88,25 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     assert (float(traj.aux_loss) > 0) == cfg.uses_moe
 
 
+@pytest.mark.parametrize("recorded", [False, True], ids=["recomputed", "decoder_record"])
 @pytest.mark.parametrize("model", [pytest.param("pomo_mtl", marks=pytest.mark.slow),
-                                   pytest.param("mvmoe", marks=pytest.mark.slow), "mvmoe_light"])
-def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model):
+                                   "mvmoe", "mvmoe_light"])
+def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recorded):
     """The stepwise backward (one step's vjp at a time, MVMoE-L's gate cotangents summed and passed back
     through step 0) gives the gradient that jax.grad takes through the whole replayed loss, for every
     parameter, and the same log-likelihood and aux loss; its loss weights are the loss's own
-    derivatives."""
+    derivatives. Also when it takes each step's attention and readout products from the sampling pass's
+    decoder record instead of computing them (``reuses_sampling_pass``): a record off by a step, or a
+    backward pass that dropped a product's cotangent, would fail here."""
+    if model == "mvmoe" and not recorded:
+        pytest.skip("covered by the slow suite's pomo_mtl and the default suite's mvmoe_light")
     cfg = tiny_policy(model)
     policy = Policy(cfg)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
-    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40))(
-        params, inst, rng)
+    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
+                                                                record_decoder=recorded))(params, inst, rng)
+    assert (traj.decoder is not None) == recorded
     coef = 10.0
 
     def replayed_loss(p):
@@ -122,16 +130,58 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model):
         assert float(jnp.max(jnp.abs(gate))) > 1e-3 * scale
 
 
+def test_decoder_record_size_and_when_it_is_kept():
+    """The sampling pass's decoder record has the size ``decoder_record_bytes`` predicts (MVMoE-L: its two
+    groups of readout maps, padded to the wider); ``auto`` keeps it on a CPU within the budget only,
+    ``always`` and ``never`` decide, and without the readout fusion there is nothing to reuse."""
+    cfg = tiny_policy("mvmoe_light")
+    policy = Policy(cfg)
+    params = training.init_params(cfg, jax.random.key(1))
+    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
+                                                                record_decoder=True))(params, mixed_batch(), jax.random.key(3))
+    recorded = sum(x.nbytes for x in jax.tree.leaves(traj.decoder))
+    assert recorded == training.decoder_record_bytes(cfg, 8 * N, N + 1, 40)
+    assert traj.decoder.attention_weights.shape == (40, 8, cfg.num_heads, N, N + 1)
+    # Unrun steps stay zero; run steps hold softmax weights (rows summing to one where a trajectory was active).
+    t = int(traj.num_steps)
+    assert t < 40 and not np.asarray(traj.decoder.attention_weights[t:]).any()
+    sums = np.asarray(traj.decoder.attention_weights[:t].sum(-1))
+    np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
+
+    def reuses(mode, platform="cpu", trajectories=8 * N, model_cfg=cfg):
+        settings = training.StepSettings(pomo_size=N, aux_loss_coef=1.0, reuse_sampling=mode)
+        return training.reuses_sampling_pass(settings, model_cfg, trajectories_per_device=trajectories,
+                                             num_nodes=N + 1, max_steps=40, platform=platform)
+
+    over = training.DECODER_RECORD_BUDGET_BYTES // training.decoder_record_bytes(cfg, 1, N + 1, 40) + 1
+    assert reuses("auto") and not reuses("auto", "gpu") and not reuses("auto", trajectories=over)
+    assert reuses("always", "gpu", over) and not reuses("never")
+    unfused = dataclasses.replace(cfg, fused_readout=False)
+    assert not reuses("always", model_cfg=unfused)
+    with pytest.raises(ValueError, match="needs the readout fusion"):
+        Policy(unfused).apply(params, Policy(unfused).apply(params, jnp.zeros((1, N + 1, cfg.embedding_dim)),
+                                                            method=Policy.precompute),
+                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 4)), jnp.ones((1, 1, N + 1), bool),
+                              None, False, True, True, method=Policy.decode)
+
+
 def test_one_program_step_equals_sampling_then_update_and_bad_backward_is_rejected(tmp_path):
     """The single program that ``step`` runs (sampling and the stepwise update sharing one encoder pass)
     takes the optimiser step that sampling followed by the separate update takes, from the same number of
-    decoding steps; an unknown backward setting is refused with the accepted values."""
+    decoding steps; an unknown backward or reuse_sampling setting is refused with the accepted values."""
     base = tiny_config(tmp_path)
     inst, rng = mixed_batch(), jax.random.key(5)
-    fns, plan = loop_functions(tiny_config(tmp_path, backward="stepwise"))
+    plan = training_loop.check_config(tiny_config(tmp_path, backward="stepwise"))
+    # Plain SGD: Adam would turn float noise in gradients that are zero in exact arithmetic (the biases
+    # before an instance norm) into lr-sized steps, and the two programs round differently (each backward
+    # pass takes the products its own sampling pass recorded).
+    settings = training.StepSettings(pomo_size=N, aux_loss_coef=10.0, backward="stepwise")
+    fns = training.StepFunctions(plan.policy, optax.sgd(1e-2), settings, num_customers=N,
+                                 variants=("CVRP", "VRPB", "OVRPTW"), mixed=True, mesh=training.make_mesh())
     assert not fns.replays
     state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
     traj = fns.sample(state.params, inst, rng)
+    assert traj.decoder is not None          # CPU, a small batch: reuses_sampling_pass
     two_state, two = jax.device_get(fns.update(state, inst, traj, rng))
     one_state, one = jax.device_get(fns.sample_and_update(state, inst, rng))
     assert int(one["decode_steps"]) == int(traj.num_steps)
@@ -144,6 +194,11 @@ def test_one_program_step_equals_sampling_then_update_and_bad_backward_is_reject
         training_loop.check_config(base)
     with pytest.raises(ValueError, match="backward must be one of"):
         training.StepSettings(pomo_size=N, aux_loss_coef=1.0, backward="reverse")
+    base.backward, base.reuse_sampling = "auto", "sometimes"
+    with pytest.raises(ValueError, match="reuse_sampling must be one of auto, always, never, got 'sometimes'"):
+        training_loop.check_config(base)
+    with pytest.raises(ValueError, match="reuse_sampling must be one of"):
+        training.StepSettings(pomo_size=N, aux_loss_coef=1.0, reuse_sampling="sometimes")
 
 
 @pytest.mark.slow     # ~100 s on 2 cores; the gradients' equality stays in the default suite (MVMoE-L above)

@@ -28,8 +28,11 @@ def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     return merge_heads(_attention(q, k, v, mask))
 
 
-def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None = None,
+                          with_weights: bool = False):
     """The rest of ``multi_head_attention`` from its scaled scores (B, H, m, n): (B, m, H*d). Forward only.
+    ``with_weights``: also return the softmax weights (B, H, m, n) float32, for a later
+    ``attention_with_given_weights``.
 
     The softmax's normalisation is applied after the product with the values, to the (B, H, m, d) output
     instead of to the (B, H, m, n) weights: a division per output element rather than per weight, and a
@@ -41,7 +44,9 @@ def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None
     score = score.astype(jnp.float32)
     unnormalised = jnp.exp(score - jnp.max(score, axis=-1, keepdims=True))
     out = jnp.einsum("bhmn,bhnd->bhmd", unnormalised.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return merge_heads((out / jnp.sum(unnormalised, axis=-1, keepdims=True)).astype(v.dtype))
+    total = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    out = merge_heads((out / total).astype(v.dtype))
+    return (out, unnormalised / total) if with_weights else out
 
 
 def attention_with_given_scores(q: jax.Array, k: jax.Array, v: jax.Array, score: jax.Array,
@@ -52,6 +57,34 @@ def attention_with_given_scores(q: jax.Array, k: jax.Array, v: jax.Array, score:
     as if the scores had been computed from them, none for ``score`` itself (it must not depend on anything
     differentiated except through q and k). Returns (B, m, H*d)."""
     return merge_heads(_attention_given_scores(q, k, v, score, mask))
+
+
+def attention_with_given_weights(q: jax.Array, k: jax.Array, v: jax.Array, weights: jax.Array,
+                                 out: jax.Array) -> jax.Array:
+    """``multi_head_attention(q, k, v, mask)`` whose forward pass is given: its softmax weights (B, H, m, n)
+    and output (B, m, H*d), recorded when the same attention ran before (training's sampling pass, see
+    ``attention_from_scores(..., with_weights=True)``). Returns ``out``; the backward pass is
+    ``multi_head_attention``'s, cotangents for q, k and v, none for the record (it must equal what q, k
+    and v give, and depend on nothing differentiated)."""
+    return _attention_given_weights(q, k, v, weights, out)
+
+
+@jax.custom_vjp
+def _attention_given_weights(q, k, v, weights, out):
+    return out
+
+
+def _attention_given_weights_fwd(q, k, v, weights, out):
+    return out, (q, k, v, weights)
+
+
+def _attention_given_weights_bwd(residuals, g):
+    num_heads = residuals[3].shape[1]
+    dq, dk, dv, _ = _attention_bwd(residuals, split_heads(g, num_heads))
+    return dq, dk, dv, None, None
+
+
+_attention_given_weights.defvjp(_attention_given_weights_fwd, _attention_given_weights_bwd)
 
 
 def _weighted_values(score, v, mask):

@@ -24,7 +24,7 @@ from flax import struct
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.attention import (InstanceNorm, attention_from_scores, attention_with_given_scores,
-                                    multi_head_attention, split_heads)
+                                    attention_with_given_weights, multi_head_attention, split_heads)
 from mvmoe_jax.nn.layers import Dense
 
 MODELS = ("pomo", "pomo_mtl", "mvmoe", "mvmoe_light")
@@ -132,6 +132,17 @@ def padded_readout_nodes(num_nodes: int, map_counts: tuple[int, ...]) -> int:
     return padded
 
 
+def decoder_record_floats(cfg: PolicyConfig, num_nodes: int) -> int:
+    """float32 values per trajectory in one step's ``DecoderRecord``: H x N attention weights, the D-wide
+    attention output and the widest group's padded per-map readout scores."""
+    if cfg.hierarchical:
+        map_counts = (1, cfg.num_experts)
+    else:
+        map_counts = (cfg.num_experts,) if cfg.moe_at("Dec") else (1,)
+    width = max(m * padded_readout_nodes(num_nodes, (m,)) for m in map_counts)
+    return cfg.num_heads * num_nodes + cfg.embedding_dim + width
+
+
 @struct.dataclass
 class DecoderCache:
     """Per-instance decoder inputs computed once per rollout.
@@ -167,6 +178,24 @@ class DecoderCache:
     node_scores: jax.Array | None = None
     feature_scores: jax.Array | None = None
     node_queries: jax.Array | None = None
+
+
+@struct.dataclass
+class DecoderRecord:
+    """What a decoding step computed that its backward pass needs again, recorded by the sampling pass so
+    that training's backward pass does not recompute it (``Policy.decode(..., keep_record=True)``, then
+    ``given=``; see ``training.stepwise_gradients``).
+
+    attention_weights: (B, H, P, N) float32, the softmax weights of the multi-head attention.
+    attention: (B, P, D) its output, the combining projection's input.
+    readout_scores: (B, P, X) the fused readout's per-map scores ``attn @ readout[m]`` of the group of maps
+      the step applied, flattened (M_g * N_g) and zero-padded to the widest group's X (MVMoE-L's steps
+      apply either group).
+    """
+
+    attention_weights: jax.Array
+    attention: jax.Array
+    readout_scores: jax.Array
 
 
 def node_features(inst: Instance) -> tuple[jax.Array, jax.Array]:
@@ -237,6 +266,24 @@ def _readout_product_bwd(residuals, g):
 
 
 readout_product.defvjp(_readout_product_fwd, _readout_product_bwd)
+
+
+@jax.custom_vjp
+def readout_product_given(x: jax.Array, readout: jax.Array, out: jax.Array) -> jax.Array:
+    """``readout_product(x, readout)`` whose result ``out`` (B, P, X) is given (recorded when the same product
+    ran before); the backward pass is ``readout_product``'s, none for ``out``."""
+    return out
+
+
+def _readout_product_given_fwd(x, readout, out):
+    return out, (x, readout)
+
+
+def _readout_product_given_bwd(residuals, g):
+    return _readout_product_bwd(residuals, g) + (None,)
+
+
+readout_product_given.defvjp(_readout_product_given_fwd, _readout_product_given_bwd)
 
 
 class Policy(nn.Module):
@@ -371,7 +418,8 @@ class Policy(nn.Module):
         return ((params["kernel"][None], params["bias"][None]),)
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
-               gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True):
+               gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True,
+               keep_record: bool = False, given: DecoderRecord | None = None):
         """One decoding step for every (instance, start).
 
         current int (B, P); dynamic (B, P, 4) = (load, time, length, open); mask bool (B, P, N).
@@ -380,16 +428,28 @@ class Policy(nn.Module):
         Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs.
         ``normalise=False`` returns the clipped logits instead of their log-softmax (same argmax, same
         -inf): all that greedy decoding needs when the log-likelihood is not wanted.
+
+        ``keep_record=True`` (forward only) also returns the step's ``DecoderRecord``; ``given``: that
+        record, from a pass over the same inputs, whose attention and readout products this call takes
+        instead of computing them (differentiable: their backward passes are the products'). Both need the
+        readout fusion (``DecoderCache.readout``).
         """
         cfg = self.cfg
-        attn = self.decoder_attention(cache, current, dynamic, mask)                       # (B, P, D)
+        if (keep_record or given is not None) and cache.readout is None:
+            raise ValueError("a decoder record needs the readout fusion (PolicyConfig.uses_fused_readout)")
+        attn, weights = self._decoder_attention(cache, current, dynamic, mask, keep_record, given)  # (B, P, D)
+        readout_scores = None
         if cache.readout is not None:
-            score, aux, gate_probs = self._fused_scores(cache, attn, train, gate_probs)
+            score, aux, gate_probs, readout_scores = self._fused_scores(cache, attn, train, gate_probs,
+                                                                        keep_record, given)
         else:
             score, aux, gate_probs = self._scores(cache, attn, train, gate_probs)
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
         score = jnp.where(mask, score, -jnp.inf)
-        return (jax.nn.log_softmax(score, axis=-1) if normalise else score), aux, gate_probs
+        logp = jax.nn.log_softmax(score, axis=-1) if normalise else score
+        if keep_record:
+            return logp, aux, gate_probs, DecoderRecord(weights, attn, readout_scores)
+        return logp, aux, gate_probs
 
     def _scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
         """Unclipped single-head scores (B, P, N): the combining projection, then dot products."""
@@ -406,33 +466,44 @@ class Policy(nn.Module):
                            preferred_element_type=jnp.float32)
         return score, aux, gate_probs
 
-    def _fused_scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
-        """The same scores as ``_scores`` from the precomputed readout (see ``precompute``)."""
+    def _fused_scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs,
+                      keep_record: bool = False, given: DecoderRecord | None = None):
+        """The same scores as ``_scores`` from the precomputed readout (see ``precompute``), and (with
+        ``keep_record``, else None) the per-map scores of the record (see ``DecoderRecord``)."""
         cfg = self.cfg
         x = attn.astype(cfg.dtype)
         num_nodes = cache.embeddings.shape[-2]
+        width = max(r.shape[2] * r.shape[3] for r in cache.readout)
 
         def mixed(weights, group):
             """sum over the group's maps m of weights[..., m] (x @ readout[m] + bias[m]); one map: plain."""
             readout, bias = cache.readout[group], cache.readout_bias[group]
             b, d, m, n = readout.shape
-            per_map = readout_product(x, readout.reshape(b, d, m * n).astype(cfg.dtype)).reshape(x.shape[:2] + (m, n))
+            flat = readout.reshape(b, d, m * n).astype(cfg.dtype)
+            if given is not None:
+                flat_scores = readout_product_given(x, flat, given.readout_scores[..., :m * n])
+            else:
+                flat_scores = readout_product(x, flat)
+            per_map = flat_scores.reshape(x.shape[:2] + (m, n))
             if weights is None:
                 score = per_map[:, :, 0] + bias[:, None, 0]
             else:
                 score = jnp.einsum("bpm,bpmn->bpn", weights.astype(jnp.float32), per_map + bias[:, None])
-            return score[..., :num_nodes]          # the readout's padding columns dropped
+            kept = jnp.pad(flat_scores, ((0, 0), (0, 0), (0, width - m * n))) if keep_record else None
+            return score[..., :num_nodes], kept          # the readout's padding columns dropped
 
         if cfg.hierarchical:
             choice, scale, gates, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs,
                                                                             gates_only=True)
             # Only the drawn branch's maps are applied (the point of MVMoE-L): group 0 dense, group 1 MoE.
-            score = jax.lax.cond(choice == 1, lambda: mixed(gates, 1), lambda: mixed(None, 0))
-            return score * scale, aux, gate_probs
+            score, kept = jax.lax.cond(choice == 1, lambda: mixed(gates, 1), lambda: mixed(None, 0))
+            return score * scale, aux, gate_probs, kept
         if cfg.moe_at("Dec"):
             gates, aux = self.multi_head_combine(attn, train=train, gates_only=True)
-            return mixed(gates, 0), aux, gate_probs
-        return mixed(None, 0), jnp.float32(0.0), gate_probs
+            score, kept = mixed(gates, 0)
+            return score, aux, gate_probs, kept
+        score, kept = mixed(None, 0)
+        return score, jnp.float32(0.0), gate_probs, kept
 
     def decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                           mask: jax.Array) -> jax.Array:
@@ -442,16 +513,25 @@ class Policy(nn.Module):
         query projection (node_queries); both (training's backward pass: the scores are gathered from the
         tables, the gradient flows through the hoisted query, see ``attention_with_given_scores``); or
         neither (the plain projection)."""
+        return self._decoder_attention(cache, current, dynamic, mask)[0]
+
+    def _decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
+                           keep_weights: bool = False, given: DecoderRecord | None = None):
+        """``decoder_attention`` and (``keep_weights``, forward only; else None) its softmax weights. With
+        ``given`` the output and weights are the record's, and only the query is computed, for the
+        backward pass (``attention_with_given_weights``)."""
         cfg = self.cfg
         given_scores = None
-        if cache.node_scores is not None:
+        if cache.node_scores is not None and given is None:
             # The query fusion: the current node's row of scores plus each dynamic feature's.
             score = jax.vmap(lambda table, cur: table[:, cur, :])(cache.node_scores, current.astype(jnp.int32))
             dyn = dynamic.astype(jnp.float32)
             for f in range(dyn.shape[-1]):
                 score = score + dyn[:, None, :, f, None] * cache.feature_scores[:, :, f, None, :]
             if cache.node_queries is None:
-                return attention_from_scores(score, cache.values, mask)
+                if keep_weights:
+                    return attention_from_scores(score, cache.values, mask, with_weights=True)
+                return attention_from_scores(score, cache.values, mask), None
             given_scores = score
         current = current[..., None].astype(jnp.int32)
         if cache.node_queries is not None:
@@ -466,9 +546,16 @@ class Policy(nn.Module):
             query = self.Wq_last(jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1))
         # Heads-major (B, H, P, d) products: measured faster on CPU than keeping heads inside each query.
         q = split_heads(query, cfg.num_heads)
+        if given is not None:
+            return attention_with_given_weights(q, cache.keys, cache.values, given.attention_weights,
+                                                given.attention), None
+        if keep_weights:
+            scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+            score = jnp.einsum("bhmd,bhnd->bhmn", q, cache.keys, preferred_element_type=jnp.float32) * scale
+            return attention_from_scores(score, cache.values, mask, with_weights=True)
         if given_scores is not None:
-            return attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask)
-        return multi_head_attention(q, cache.keys, cache.values, mask)
+            return attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask), None
+        return multi_head_attention(q, cache.keys, cache.values, mask), None
 
     def hierarchical_gate_probs(self, pooled: jax.Array) -> jax.Array:
         """MVMoE-L's dense-or-MoE probabilities (2,) from the first step's attention output pooled over
