@@ -129,6 +129,7 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
             "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
             "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
+            "decoder_record": training.records_decoder(fns.settings, plan.policy, inst, fns.max_steps, fns.mesh),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
             "compile_seconds": compile_s, "compiled_lengths": sorted(seen), "program_memory_bytes": memory}

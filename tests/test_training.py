@@ -132,8 +132,9 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
 
 def test_decoder_record_size_and_when_it_is_kept():
     """The sampling pass's decoder record has the size ``decoder_record_bytes`` predicts (MVMoE-L: its two
-    groups of readout maps, padded to the wider); ``auto`` keeps it on a CPU within the budget only,
-    ``always`` and ``never`` decide, and without the readout fusion there is nothing to reuse."""
+    groups of readout maps, padded to the wider); ``auto`` keeps it on a CPU within the budget only, and
+    only for MVMoE/4E; ``always`` and ``never`` decide, and without the readout fusion there is nothing to
+    reuse."""
     cfg = tiny_policy("mvmoe_light")
     policy = Policy(cfg)
     params = training.init_params(cfg, jax.random.key(1))
@@ -148,14 +149,17 @@ def test_decoder_record_size_and_when_it_is_kept():
     sums = np.asarray(traj.decoder.attention_weights[:t].sum(-1))
     np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
 
-    def reuses(mode, platform="cpu", trajectories=8 * N, model_cfg=cfg):
+    def reuses(mode, platform="cpu", trajectories=8 * N, model_cfg=tiny_policy("mvmoe")):
         settings = training.StepSettings(pomo_size=N, aux_loss_coef=1.0, reuse_sampling=mode)
         return training.reuses_sampling_pass(settings, model_cfg, trajectories_per_device=trajectories,
                                              num_nodes=N + 1, max_steps=40, platform=platform)
 
-    over = training.DECODER_RECORD_BUDGET_BYTES // training.decoder_record_bytes(cfg, 1, N + 1, 40) + 1
+    over = training.DECODER_RECORD_BUDGET_BYTES // training.decoder_record_bytes(
+        tiny_policy("mvmoe"), 1, N + 1, 40) + 1
     assert reuses("auto") and not reuses("auto", "gpu") and not reuses("auto", trajectories=over)
     assert reuses("always", "gpu", over) and not reuses("never")
+    assert not reuses("auto", model_cfg=cfg) and reuses("always", model_cfg=cfg)
+    assert not reuses("auto", model_cfg=tiny_policy("pomo_mtl")) and reuses("always", model_cfg=tiny_policy("pomo_mtl"))
     unfused = dataclasses.replace(cfg, fused_readout=False)
     assert not reuses("always", model_cfg=unfused)
     with pytest.raises(ValueError, match="needs the readout fusion"):
@@ -342,14 +346,16 @@ base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_laye
 out = {"devices": len(jax.devices())}
 # The encoder's MoE layer as the default picks it at this size (dense) and grouped (on the mesh: one sort
 # per device's share of the batch, moe.sort_groups); and POMO-MTL, whose decoding steps run per device.
+# The grouped MVMoE-L and one POMO-MTL run take the backward's products from the sampling pass's record.
 pomo = PolicyConfig(model="pomo_mtl", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=())
-for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped")),
-                      ("sgd_pomo", pomo)):
+for opt_name, cfg, reuse in (("sgd", base, "auto"), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped"), "always"),
+                             ("sgd_pomo", pomo, "auto"), ("sgd_pomo_record", pomo, "always")):
     opt = optax.sgd(1e-2)
     params = training.init_params(cfg, jax.random.key(0))
     res = {}
     for name, devs in (("one", jax.devices()[:1]), ("all", jax.devices())):
-        fns = training.StepFunctions(cfg, opt, training.StepSettings(pomo_size=20, aux_loss_coef=10.0),
+        settings = training.StepSettings(pomo_size=20, aux_loss_coef=10.0, reuse_sampling=reuse)
+        fns = training.StepFunctions(cfg, opt, settings,
                                      num_customers=20, variants=("CVRP", "VRPB", "OVRPTW"), mixed=True,
                                      mesh=training.make_mesh(devs), replay_bucket_size=40)
         state, m = fns.step(fns.init_state(params), jax.random.key(7), 8)
@@ -362,7 +368,9 @@ for opt_name, cfg in (("sgd", base), ("sgd_grouped", dataclasses.replace(base, m
         "score": [float(m1["score"]), float(m2["score"])], "loss": [float(m1["loss"]), float(m2["loss"])],
         "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape),
         "per_device": [training.steps_run_per_device(cfg, training.make_mesh(d))
-                       for d in (jax.devices()[:1], jax.devices())]}
+                       for d in (jax.devices()[:1], jax.devices())],
+        "record": fns.sample(fns.init_state(params).params, fns.batch(jax.random.key(7), 8),
+                             jax.random.key(7)).decoder is not None}
 try:
     fns.batch(jax.random.key(0), 7)
 except ValueError as e:
@@ -378,7 +386,7 @@ def test_sharded_step_equals_the_single_device_step():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["devices"] == 2
-    for name in ("sgd", "sgd_grouped", "sgd_pomo"):
+    for name in ("sgd", "sgd_grouped", "sgd_pomo", "sgd_pomo_record"):
         r = out[name]
         assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6), name     # the same trajectories
         # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
@@ -392,7 +400,10 @@ def test_sharded_step_equals_the_single_device_step():
     # MVMoE-L's decoder MoE and gate use whole-batch statistics at every step: one loop over the sharded
     # batch. POMO-MTL's steps run per device on the two-device mesh (the single-device step is the reference).
     assert out["sgd"]["per_device"] == [False, False]
-    assert out["sgd_pomo"]["per_device"] == [False, True]
+    assert out["sgd_pomo"]["per_device"] == out["sgd_pomo_record"]["per_device"] == [False, True]
+    assert [out[k]["record"] for k in ("sgd", "sgd_grouped", "sgd_pomo", "sgd_pomo_record")] == [False, True, False, True]
+    # With the record or without, the same step.
+    assert out["sgd_pomo"]["loss"][0] == pytest.approx(out["sgd_pomo_record"]["loss"][0], rel=1e-4)
     # Grouped or dense, the same step.
     assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
     assert "cannot be split over 2 devices" in out["odd_batch"]
