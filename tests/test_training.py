@@ -88,9 +88,10 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     assert (float(traj.aux_loss) > 0) == cfg.uses_moe
 
 
-@pytest.mark.parametrize("recorded", [False, True], ids=["recomputed", "decoder_record"])
-@pytest.mark.parametrize("model", [pytest.param("pomo_mtl", marks=pytest.mark.slow),
-                                   "mvmoe", "mvmoe_light"])
+@pytest.mark.parametrize("model,recorded", [
+    pytest.param("pomo_mtl", False, marks=pytest.mark.slow), pytest.param("pomo_mtl", True, marks=pytest.mark.slow),
+    pytest.param("mvmoe", False, marks=pytest.mark.slow), ("mvmoe", True), ("mvmoe_light", False),
+    pytest.param("mvmoe_light", True, marks=pytest.mark.slow)], ids=lambda v: {False: "recomputed", True: "decoder_record"}.get(v, v))
 def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recorded):
     """The stepwise backward (one step's vjp at a time, MVMoE-L's gate cotangents summed and passed back
     through step 0) gives the gradient that jax.grad takes through the whole replayed loss, for every
@@ -98,8 +99,6 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
     derivatives. Also when it takes each step's attention and readout products from the sampling pass's
     decoder record instead of computing them (``reuses_sampling_pass``): a record off by a step, or a
     backward pass that dropped a product's cotangent, would fail here."""
-    if model == "mvmoe" and not recorded:
-        pytest.skip("covered by the slow suite's pomo_mtl and the default suite's mvmoe_light")
     cfg = tiny_policy(model)
     policy = Policy(cfg)
     params = training.init_params(cfg, jax.random.key(1))
@@ -369,8 +368,8 @@ for opt_name, cfg, reuse in (("sgd", base, "auto"), ("sgd_grouped", dataclasses.
         "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape),
         "per_device": [training.steps_run_per_device(cfg, training.make_mesh(d))
                        for d in (jax.devices()[:1], jax.devices())],
-        "record": fns.sample(fns.init_state(params).params, fns.batch(jax.random.key(7), 8),
-                             jax.random.key(7)).decoder is not None}
+        "record": training.records_decoder(fns.settings, cfg, fns.batch(jax.random.key(7), 8), fns.max_steps,
+                                           fns.mesh)}
 try:
     fns.batch(jax.random.key(0), 7)
 except ValueError as e:
