@@ -139,10 +139,12 @@ def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk
         encoder = jax.jit(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0]).lower(
             params, take(group * chunk)).compile()
     sub = take(chunk)
-    emb, _ = rollout.encode_nodes(policy, params, sub, rng)
-    precompute = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute)).lower(params, emb).compile()
-    cache = policy.apply(params, emb, method=Policy.precompute)        # the decoding step's input (= encode)
-    states, _, _ = rollout.initial_states(sub, pomo)
+    # Shapes only: run eagerly, these would compile every operation on its own (seconds per call).
+    emb = jax.eval_shape(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0], params, sub)
+    precompute_fn = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute))
+    precompute = precompute_fn.lower(params, emb).compile()
+    cache = jax.eval_shape(precompute_fn, params, emb)          # the decoding step's input
+    states = jax.eval_shape(lambda i: rollout.initial_states(i, pomo)[0], sub)
 
     def one_step(p, cache, states):
         mask = env.batch_action_mask(states)
@@ -171,7 +173,7 @@ def model_flops_per_instance(cfg: PolicyConfig, size: int, inst, pomo: int, chun
     ``plain_formulation(cfg)`` (which the FLOP limit is computed from). The program computes the same
     result with fewer: the precomputed query scores and readout, and the MoE layers' execution."""
     plain = plain_formulation(cfg)
-    params = training.init_params(plain, jax.random.key(0), size)
+    params = jax.eval_shape(lambda key: training.init_params(plain, key, size), jax.random.key(0))
     return program_flops_per_instance(plain, params, inst, pomo, chunk, chunk_steps, num_devices)
 
 
@@ -205,6 +207,10 @@ def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int 
     return row
 
 
+# (config, size, batch, aug, chunk, steps of every chunk, devices) -> (model, executed) FLOPs per instance.
+_FLOPS_PER_INSTANCE: dict[tuple, tuple[float, float]] = {}
+
+
 def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, weights: str,
                    chunk_size: int | None, **cfg_kw) -> dict:
     cfg, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
@@ -220,9 +226,14 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
     chunk = rollout.effective_chunk_size(chunk_size, size, flat, jax.local_device_count())
     chunk_steps = np.asarray(res.chunk_steps)
     num_devices = compiled.num_devices
-    # Per instance of the batch (each stands for m // batch augmented copies).
-    flops = model_flops_per_instance(cfg, size, flat, size, chunk, chunk_steps, num_devices) * (m // batch)
-    executed = program_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, num_devices) * (m // batch)
+    # Per instance of the batch (each stands for m // batch augmented copies). Counted once per workload:
+    # later rounds decode the same instances in the same steps.
+    key = (cfg, size, batch, aug, chunk, tuple(chunk_steps.tolist()), num_devices)
+    if key not in _FLOPS_PER_INSTANCE:
+        _FLOPS_PER_INSTANCE[key] = (
+            model_flops_per_instance(cfg, size, flat, size, chunk, chunk_steps, num_devices) * (m // batch),
+            program_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, num_devices) * (m // batch))
+    flops, executed = _FLOPS_PER_INSTANCE[key]
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
             "devices": jax.local_device_count(),

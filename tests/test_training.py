@@ -337,7 +337,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
 
 SHARDED_SCRIPT = r"""
-import dataclasses, json, jax, numpy as np, optax
+import dataclasses, json, sys, jax, numpy as np, optax
 from mvmoe_jax import training, training_loop
 from mvmoe_jax.nn.policy import PolicyConfig
 base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
@@ -347,8 +347,10 @@ out = {"devices": len(jax.devices())}
 # per device's share of the batch, moe.sort_groups); and POMO-MTL, whose decoding steps run per device.
 # The grouped MVMoE-L and one POMO-MTL run take the backward's products from the sampling pass's record.
 pomo = PolicyConfig(model="pomo_mtl", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=())
-for opt_name, cfg, reuse in (("sgd", base, "auto"), ("sgd_grouped", dataclasses.replace(base, moe_dispatch="grouped"), "always"),
-                             ("sgd_pomo", pomo, "auto"), ("sgd_pomo_record", pomo, "always")):
+cases = {"sgd": (base, "auto"), "sgd_grouped": (dataclasses.replace(base, moe_dispatch="grouped"), "always"),
+         "sgd_pomo": (pomo, "auto"), "sgd_pomo_record": (pomo, "always")}
+for opt_name in sys.argv[1].split(","):
+    cfg, reuse = cases[opt_name]
     opt = optax.sgd(1e-2)
     params = training.init_params(cfg, jax.random.key(0))
     res = {}
@@ -378,14 +380,15 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def test_sharded_step_equals_the_single_device_step():
+def _sharded_steps(cases):
+    """SHARDED_SCRIPT's results for these cases, in a process with two CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, ",".join(cases)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["devices"] == 2
-    for name in ("sgd", "sgd_grouped", "sgd_pomo", "sgd_pomo_record"):
+    for name in cases:
         r = out[name]
         assert r["score"][0] == pytest.approx(r["score"][1], rel=1e-6), name     # the same trajectories
         # The loss is a small difference of O(1) terms (advantage-weighted log-likelihoods summed over ~40
@@ -396,8 +399,23 @@ def test_sharded_step_equals_the_single_device_step():
         # by sqrt(second moment), which turns ~1e-8 float noise in gradients that are zero in exact
         # arithmetic (the bias before an instance norm) into lr-sized steps whichever way sums are ordered.
         assert r["param_diff"] < 1e-6, name
-    # MVMoE-L's decoder MoE and gate use whole-batch statistics at every step: one loop over the sharded
-    # batch. POMO-MTL's steps run per device on the two-device mesh (the single-device step is the reference).
+    assert "cannot be split over 2 devices" in out["odd_batch"]
+    return out
+
+
+def test_sharded_step_equals_the_single_device_step():
+    """One loop over the sharded batch (MVMoE-L: its decoder MoE and gate use whole-batch statistics at
+    every step; grouped encoder MoE sorted per device; the backward from the sampling pass's record), and
+    POMO-MTL's steps run per device on the two-device mesh (the single-device step is the reference)."""
+    out = _sharded_steps(("sgd_grouped", "sgd_pomo"))
+    assert out["sgd_grouped"]["per_device"] == [False, False]
+    assert out["sgd_pomo"]["per_device"] == [False, True]
+    assert [out[k]["record"] for k in ("sgd_grouped", "sgd_pomo")] == [True, False]
+
+
+@pytest.mark.slow      # four more training programs compiled in a subprocess, ~2 minutes on 2 cores
+def test_sharded_step_with_and_without_the_record_and_grouping():
+    out = _sharded_steps(("sgd", "sgd_grouped", "sgd_pomo", "sgd_pomo_record"))
     assert out["sgd"]["per_device"] == [False, False]
     assert out["sgd_pomo"]["per_device"] == out["sgd_pomo_record"]["per_device"] == [False, True]
     assert [out[k]["record"] for k in ("sgd", "sgd_grouped", "sgd_pomo", "sgd_pomo_record")] == [False, True, False, True]
@@ -405,4 +423,3 @@ def test_sharded_step_equals_the_single_device_step():
     assert out["sgd_pomo"]["loss"][0] == pytest.approx(out["sgd_pomo_record"]["loss"][0], rel=1e-4)
     # Grouped or dense, the same step.
     assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
-    assert "cannot be split over 2 devices" in out["odd_batch"]
