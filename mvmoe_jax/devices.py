@@ -6,7 +6,7 @@ after another, each spread over the cores, and the cores wait on each other betw
 machine a greedy rollout kept them ~1.7 of 2 busy. Presented as two devices, the cores each run their
 own share of the batch (their own decoding loop) with nothing to wait for: measured on a 2-core Xeon,
 greedy x8 evaluation of 64 instances at n = 50 ran 1.4-1.9x faster (identical results) and a MVMoE/4E
-training step 1.2-1.3x faster (benchmarks/throughput.py, ``--cpu_devices``; README, Performance).
+training step 1.2-1.3x faster (benchmarks/throughput.py, ``--cpu_devices``; docs/performance-log.md).
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def steps_run_per_device(cfg: PolicyConfig, mesh: Mesh | None) -> bool:
     their gradient is the same either way, up to the order of float sums. POMO-MTL, n = 50, batch 64 over
     two CPU cores, alternating steps in one process: medians 2.09 and 2.17 s against 2.30 and 2.28 s (8 and
     10 steps; minima 2.01 and 1.88 against 2.11 and 2.12). The MoE models' decoders would need those
-    statistics passed in from the sampling pass to run per device exactly (README, Training)."""
+    statistics passed in from the sampling pass to run per device exactly (docs/performance-log.md, Training)."""
     return mesh is not None and mesh.devices.size > 1 and not cfg.moe_at("Dec")
 
 
