@@ -462,8 +462,9 @@ def reuses_sampling_pass(settings: StepSettings, cfg: PolicyConfig, *, trajector
     if settings.reuse_sampling == "always":
         return True
     size = decoder_record_bytes(cfg, trajectories_per_device, num_nodes, max_steps)
-    four_maps = cfg.moe_at("Dec") and not cfg.hierarchical
-    return platform == "cpu" and four_maps and size <= DECODER_RECORD_BUDGET_BYTES
+    # One group of several maps: a decoder MoE's experts, without MVMoE-L's dense-or-MoE gate.
+    several_maps = len(cfg.readout_map_counts) == 1 and cfg.readout_map_counts[0] > 1
+    return platform == "cpu" and several_maps and size <= DECODER_RECORD_BUDGET_BYTES
 
 
 def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, max_steps: int,

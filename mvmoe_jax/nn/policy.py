@@ -97,6 +97,15 @@ class PolicyConfig:
         return self.uses_moe and position in self.expert_loc
 
     @property
+    def readout_map_counts(self) -> tuple[int, ...]:
+        """The combining projection's linear maps, counted per group that a decoding step applies
+        together (``Policy._map_groups``): (1,) the dense map; (E,) a decoder MoE's experts; (1, E)
+        MVMoE-L's dense map and its experts, the two branches of its gate."""
+        if self.hierarchical:
+            return (1, self.num_experts)
+        return (self.num_experts,) if self.moe_at("Dec") else (1,)
+
+    @property
     def dtype(self):
         return jnp.bfloat16 if self.compute_dtype == "bfloat16" else jnp.float32
 
@@ -135,11 +144,7 @@ def padded_readout_nodes(num_nodes: int, map_counts: tuple[int, ...]) -> int:
 def decoder_record_floats(cfg: PolicyConfig, num_nodes: int) -> int:
     """float32 values per trajectory in one step's ``DecoderRecord``: H x N attention weights, the D-wide
     attention output and the widest group's padded per-map readout scores."""
-    if cfg.hierarchical:
-        map_counts = (1, cfg.num_experts)
-    else:
-        map_counts = (cfg.num_experts,) if cfg.moe_at("Dec") else (1,)
-    width = max(m * padded_readout_nodes(num_nodes, (m,)) for m in map_counts)
+    width = max(m * padded_readout_nodes(num_nodes, (m,)) for m in cfg.readout_map_counts)
     return cfg.num_heads * num_nodes + cfg.embedding_dim + width
 
 
@@ -408,14 +413,17 @@ class Policy(nn.Module):
     def _map_groups(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """The combining projection's linear maps (M_g, D, D) and biases (M_g, D), one pair per group of
         maps that a step applies together: the dense map; the E experts; or MVMoE-L's dense map and its
-        experts (the two branches of its gate)."""
+        experts (the two branches of its gate): ``cfg.readout_map_counts`` in that order."""
         params = self.multi_head_combine.variables["params"]
         if self.cfg.hierarchical:
             dense, moe = params["multi_head_combine_dense"], params["multi_head_combine_moe"]
-            return (dense["kernel"][None], dense["bias"][None]), (moe["experts_w"], moe["experts_b"])
-        if self.cfg.moe_at("Dec"):
-            return ((params["experts_w"], params["experts_b"]),)
-        return ((params["kernel"][None], params["bias"][None]),)
+            groups = (dense["kernel"][None], dense["bias"][None]), (moe["experts_w"], moe["experts_b"])
+        elif self.cfg.moe_at("Dec"):
+            groups = ((params["experts_w"], params["experts_b"]),)
+        else:
+            groups = ((params["kernel"][None], params["bias"][None]),)
+        assert tuple(maps.shape[0] for maps, _ in groups) == self.cfg.readout_map_counts
+        return groups
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
                gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True,
