@@ -141,9 +141,8 @@ def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk
     sub = take(chunk)
     # Shapes only: run eagerly, these would compile every operation on its own (seconds per call).
     emb = jax.eval_shape(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0], params, sub)
-    precompute_fn = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute))
-    precompute = precompute_fn.lower(params, emb).compile()
-    cache = jax.eval_shape(precompute_fn, params, emb)          # the decoding step's input
+    lowered = jax.jit(lambda p, e: policy.apply(p, e, method=Policy.precompute)).lower(params, emb)
+    precompute, cache = lowered.compile(), lowered.out_info     # cache: the decoding step's input (shapes)
     states = jax.eval_shape(lambda i: rollout.initial_states(i, pomo)[0], sub)
 
     def one_step(p, cache, states):
