@@ -148,7 +148,7 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
             rng: jax.Array | None = None, train: bool = False, max_steps: int | None = None,
             record: bool = False, encoded: tuple[DecoderCache, jax.Array] | None = None,
             gate_probs: jax.Array | None = None, log_likelihood: bool = True,
-            record_decoder: bool = False) -> RolloutOutput:
+            record_decoder: bool = False, decoder_buffers: DecoderRecord | None = None) -> RolloutOutput:
     """Decode every start of every instance (batched Instance, B) until all finish.
 
     decode_type: 'greedy' (argmax) or 'sampling'. ``rng`` drives sampling, MoE gating noise in training
@@ -159,9 +159,12 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     ``greedy_evaluate``), else computed at the first step from this batch. ``log_likelihood=False``
     (greedy only) skips the per-step log-softmax, which greedy choices do not need; the output's
     log_likelihood is then zero. ``record_decoder`` (with ``record``) also keeps each step's
-    ``DecoderRecord`` (see RolloutOutput; memory: ``decoder_record_bytes``).
-    jit-compatible (policy, pomo_size, decode_type, train, max_steps, record, log_likelihood,
-    record_decoder static).
+    ``DecoderRecord`` (see RolloutOutput; memory: ``decoder_record_bytes``). ``decoder_buffers``: storage
+    for that record, each array (max_steps,) + a step's shape, whose contents are ignored (a previous
+    call's record, passed in with its buffers donated): the record is then written in place rather than
+    into freshly zeroed memory, which on a CPU costs a pass over the whole record (see
+    ``training.StepFunctions``). jit-compatible (policy, pomo_size, decode_type, train, max_steps, record,
+    log_likelihood, record_decoder static).
     """
     if decode_type not in ("greedy", "sampling"):
         raise ValueError(f"decode_type must be 'greedy' or 'sampling', got {decode_type!r}")
@@ -169,6 +172,8 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         raise ValueError("sampling needs the log-probabilities: log_likelihood=False is for greedy decoding")
     if record_decoder and not record:
         raise ValueError("record_decoder=True needs record=True")
+    if decoder_buffers is not None and not record_decoder:
+        raise ValueError("decoder_buffers are storage for the decoder record: pass record_decoder=True")
     rng = jax.random.key(0) if rng is None else rng
     n = inst.locs.shape[-2] - 1
     steps = 2 * n if max_steps is None else max_steps      # a depot visit per customer at most
@@ -215,7 +220,8 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         n1 = inst.locs.shape[-2]
         buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
                     jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
-        buffers += tuple(jax.tree.map(lambda x: jnp.zeros((steps,) + x.shape, x.dtype), record_0[3:]))
+        if record_decoder:
+            buffers += (_decoder_storage(record_0[3], steps, decoder_buffers),)
     buffers = write(buffers, 0, a0, record_0)
 
     def cond(carry):
@@ -233,6 +239,18 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
     recorded = dict(zip(("masks", "dynamic", "active", "decoder"), buffers[1:]))
     return RolloutOutput(actions=buffers[0], log_likelihood=ll, cost=cost, valid=valid,
                          finished=states.finished, aux_loss=aux, num_steps=t, **recorded)
+
+
+def _decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | None) -> DecoderRecord:
+    """Buffers for ``steps`` steps of the decoder record whose first step is ``first``: ``given`` after
+    checking its shapes, else zeros."""
+    wanted = jax.tree.map(lambda x: jax.ShapeDtypeStruct((steps,) + x.shape, x.dtype), first)
+    if given is None:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), wanted)
+    have = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), given)
+    if jax.tree.structure(have) != jax.tree.structure(wanted) or have != wanted:
+        raise ValueError(f"decoder_buffers do not fit this rollout's record: got {have}, need {wanted}")
+    return given
 
 
 # On CPU a decoding step whose working set (attention weights, masks, readout scores) stays in cache runs

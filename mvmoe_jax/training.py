@@ -488,6 +488,27 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
     computed from it without gradient), and the backward pass reuses the same vjp. Saves the encoder
     forward that ``sample_trajectories`` followed by ``train_step`` pay twice. Same trajectories and
     update as those two calls (the same keys), up to float rounding."""
+    state, metrics, _ = _sample_and_train(policy, tx, settings, state, inst, rng, max_steps=max_steps, mesh=mesh)
+    return state, metrics
+
+
+def sample_and_train_step_in_place(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
+                                   state: TrainState, inst: Instance, rng: jax.Array,
+                                   decoder_buffers: DecoderRecord, *, max_steps: int, mesh: Mesh | None = None
+                                   ) -> tuple[TrainState, dict, DecoderRecord]:
+    """``sample_and_train_step`` for a batch that keeps the decoder record (``records_decoder``), writing
+    the record into ``decoder_buffers`` (their contents ignored; donate them) instead of into zeroed
+    memory: (state, metrics, the record, whose buffers serve the next call). On a CPU zeroing the record
+    was a pass over ~400 MB per device and step (MVMoE/4E, n = 50, batch 64 over two devices)."""
+    state, metrics, traj = _sample_and_train(policy, tx, settings, state, inst, rng, max_steps=max_steps,
+                                             mesh=mesh, decoder_buffers=decoder_buffers)
+    return state, metrics, traj.decoder
+
+
+def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
+                      state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int,
+                      mesh: Mesh | None = None, decoder_buffers: DecoderRecord | None = None
+                      ) -> tuple[TrainState, dict, RolloutOutput]:
     if settings.resolved_backward != "stepwise":
         raise ValueError("sample_and_train_step needs the stepwise backward; the replay compiles per length")
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, state.params, inst, rng)
@@ -496,11 +517,15 @@ def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, sett
         # Without node_queries the sampling pass takes the query fusion's forward-only attention.
         sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
+    record = records_decoder(settings, policy.cfg, inst, max_steps, mesh)
+    if decoder_buffers is not None and not record:
+        raise ValueError("decoder_buffers given for a batch that keeps no decoder record (records_decoder)")
     traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
                    train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux),
-                   record_decoder=records_decoder(settings, policy.cfg, inst, max_steps, mesh))
-    return train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
-                      encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
+                   record_decoder=record, decoder_buffers=decoder_buffers)
+    state, metrics = train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
+                                encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
+    return state, metrics, traj
 
 
 def _sorting_per_device(fn, groups: int):
@@ -557,6 +582,14 @@ class StepFunctions:
             per_device(partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps,
                                mesh=mesh)),
             out_shardings=(self.replicated, self.replicated))
+        # Batches that keep the decoder record write it into the previous step's record, donated.
+        self._record_sharding = trajectory_shardings(mesh, decoder=True).decoder
+        self._sample_and_update_in_place = jax.jit(
+            per_device(partial(sample_and_train_step_in_place, self.policy, tx, settings, max_steps=self.max_steps,
+                               mesh=mesh)),
+            donate_argnums=3, out_shardings=(self.replicated, self.replicated, self._record_sharding))
+        self._record_buffers: DecoderRecord | None = None
+        self._record_shape_cache: dict = {}
 
     @classmethod
     @functools.lru_cache(maxsize=8)
@@ -609,9 +642,33 @@ class StepFunctions:
 
     def sample_and_update(self, state: TrainState, inst: Instance, rng: jax.Array) -> tuple[TrainState, dict]:
         """``sample`` then ``update`` as one program sharing the encoder pass (stepwise backward only; see
-        ``sample_and_train_step``, which refuses the replay)."""
+        ``sample_and_train_step``, which refuses the replay). A batch that keeps the decoder record writes
+        it into the buffers of the previous such step (``sample_and_train_step_in_place``); they stay
+        allocated between steps (``release_buffers`` frees them)."""
         self.check_batch_size(inst.locs.shape[0])
-        return self._sample_and_update(state, jax.device_put(inst, self.batch_sharding), rng)
+        inst = jax.device_put(inst, self.batch_sharding)
+        if self.settings.resolved_backward != "stepwise" or not records_decoder(
+                self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
+            return self._sample_and_update(state, inst, rng)
+        wanted = self._record_shapes(state.params, inst, rng)
+        buffers, self._record_buffers = self._record_buffers, None      # donated below
+        if buffers is None or jax.tree.map(lambda x: (x.shape, x.dtype), buffers) != jax.tree.map(
+                lambda s: (s.shape, s.dtype), wanted):
+            buffers = jax.tree.map(lambda s, sharding: jnp.zeros(s.shape, s.dtype, device=sharding),
+                                   wanted, self._record_sharding)
+        state, metrics, self._record_buffers = self._sample_and_update_in_place(state, inst, rng, buffers)
+        return state, metrics
+
+    def release_buffers(self) -> None:
+        """Free the decoder record kept between steps (``sample_and_update``)."""
+        self._record_buffers = None
+
+    def _record_shapes(self, params, inst: Instance, rng: jax.Array) -> DecoderRecord:
+        """Shapes and dtypes of the decoder record of a batch like ``inst`` (traced once per batch shape)."""
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(inst))
+        if key not in self._record_shape_cache:
+            self._record_shape_cache[key] = jax.eval_shape(self._samples[True], params, inst, rng).decoder
+        return self._record_shape_cache[key]
 
     def memory_bytes(self, state: TrainState, inst: Instance, rng: jax.Array, num_steps: int | None = None) -> int:
         """Device memory (per device) of this batch shape's training step, from XLA's memory analysis of
@@ -621,6 +678,10 @@ class StepFunctions:
         self.check_batch_size(inst.locs.shape[0])
         inst = jax.device_put(inst, self.batch_sharding)
         if not self.replays:
+            if records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
+                record = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                      self._record_shapes(state.params, inst, rng), self._record_sharding)
+                return program_memory_bytes(self._sample_and_update_in_place.lower(state, inst, rng, record).compile())
             return program_memory_bytes(self._sample_and_update.lower(state, inst, rng).compile())
         sampler = self._samples[False]          # the replay recomputes everything: no decoder record
         traj = jax.eval_shape(sampler, state.params, inst, rng)

@@ -260,6 +260,7 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
     wall0 = time.perf_counter()
 
     def validate(record):
+        fns.release_buffers()       # the training step's decoder record: not needed while validating
         t0 = time.perf_counter()
         # Validation is evaluation: at its precision (full float32 by default), not training's.
         with precision.matmul_precision(config.get("eval_matmul_precision", precision.EVAL_DEFAULT)):
@@ -318,4 +319,5 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
             save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
         if stop_after_epoch is not None and epoch >= stop_after_epoch:
             break
+    fns.release_buffers()
     return record
