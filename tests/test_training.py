@@ -165,10 +165,10 @@ def test_decoder_record_size_and_when_it_is_kept():
     wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] - 1,) + x.shape[1:], x.dtype), traj.decoder)
     with pytest.raises(ValueError, match="decoder_buffers do not fit this rollout's record"):
         rollout.rollout(policy, params, mixed_batch(), pomo_size=N, decode_type="sampling", train=True,
-                            max_steps=40, record=True, record_decoder=True, decoder_buffers=wrong)
+                        max_steps=40, record=True, record_decoder=True, decoder_buffers=wrong)
     with pytest.raises(ValueError, match="pass record_decoder=True"):
         rollout.rollout(policy, params, mixed_batch(), pomo_size=N, max_steps=40, record=True,
-                            decoder_buffers=traj.decoder)
+                        decoder_buffers=traj.decoder)
     with pytest.raises(ValueError, match="needs the readout fusion"):
         Policy(unfused).apply(params, Policy(unfused).apply(params, jnp.zeros((1, N + 1, cfg.embedding_dim)),
                                                             method=Policy.precompute),
@@ -200,12 +200,16 @@ def test_one_program_step_equals_sampling_then_update_and_bad_backward_is_reject
         assert one[k] == pytest.approx(two[k], rel=1e-4, abs=1e-7), k
     for a, b in zip(jax.tree.leaves(one_state.params), jax.tree.leaves(two_state.params)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
-    # The one-program step wrote its decoder record into buffers it keeps; the next step writes into them
-    # over the stale record, and must take exactly the step it took on fresh zeros.
+    # The one-program step wrote its decoder record into buffers it keeps, and the next step writes into
+    # them over whatever they hold. Poisoned with NaN, they must give exactly the step taken on fresh zeros:
+    # nothing beyond the steps the batch runs (and so overwrites) may be read.
     kept = fns._record_buffers
     assert kept is not None and kept.attention_weights.shape[0] == fns.max_steps
+    assert int(one["decode_steps"]) < fns.max_steps
+    poisoned = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype, device=x.sharding), kept)
+    fns._record_buffers = poisoned
     again_state, again = jax.device_get(fns.sample_and_update(state, inst, rng))
-    assert kept.attention_weights.is_deleted()           # donated: written in place
+    assert poisoned.attention_weights.is_deleted()       # donated: written in place
     for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "score", "decode_steps"):
         assert again[k] == one[k], k
     for a, b in zip(jax.tree.leaves(again_state.params), jax.tree.leaves(one_state.params)):
