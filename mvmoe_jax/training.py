@@ -517,12 +517,11 @@ def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings
         # Without node_queries the sampling pass takes the query fusion's forward-only attention.
         sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
-    record = records_decoder(settings, policy.cfg, inst, max_steps, mesh)
-    if decoder_buffers is not None and not record:
-        raise ValueError("decoder_buffers given for a batch that keeps no decoder record (records_decoder)")
+    # rollout refuses decoder_buffers for a batch that keeps no record.
     traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
                    train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux),
-                   record_decoder=record, decoder_buffers=decoder_buffers)
+                   record_decoder=records_decoder(settings, policy.cfg, inst, max_steps, mesh),
+                   decoder_buffers=decoder_buffers)
     state, metrics = train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
                                 encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
     return state, metrics, traj
@@ -589,7 +588,7 @@ class StepFunctions:
                                mesh=mesh)),
             donate_argnums=3, out_shardings=(self.replicated, self.replicated, self._record_sharding))
         self._record_buffers: DecoderRecord | None = None
-        self._record_shape_cache: dict = {}
+        self._record_spec_cache: dict = {}
 
     @classmethod
     @functools.lru_cache(maxsize=8)
@@ -647,15 +646,14 @@ class StepFunctions:
         allocated between steps (``release_buffers`` frees them)."""
         self.check_batch_size(inst.locs.shape[0])
         inst = jax.device_put(inst, self.batch_sharding)
-        if self.settings.resolved_backward != "stepwise" or not records_decoder(
-                self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
+        # records_decoder is False for the replay, which _sample_and_update then refuses.
+        if not records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
             return self._sample_and_update(state, inst, rng)
-        wanted = self._record_shapes(state.params, inst, rng)
+        wanted = self._record_spec(state.params, inst, rng)
         buffers, self._record_buffers = self._record_buffers, None      # donated below
         if buffers is None or jax.tree.map(lambda x: (x.shape, x.dtype), buffers) != jax.tree.map(
                 lambda s: (s.shape, s.dtype), wanted):
-            buffers = jax.tree.map(lambda s, sharding: jnp.zeros(s.shape, s.dtype, device=sharding),
-                                   wanted, self._record_sharding)
+            buffers = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), wanted)
         state, metrics, self._record_buffers = self._sample_and_update_in_place(state, inst, rng, buffers)
         return state, metrics
 
@@ -663,12 +661,16 @@ class StepFunctions:
         """Free the decoder record kept between steps (``sample_and_update``)."""
         self._record_buffers = None
 
-    def _record_shapes(self, params, inst: Instance, rng: jax.Array) -> DecoderRecord:
-        """Shapes and dtypes of the decoder record of a batch like ``inst`` (traced once per batch shape)."""
+    def _record_spec(self, params, inst: Instance, rng: jax.Array) -> DecoderRecord:
+        """Shapes, dtypes and shardings of the decoder record of a batch like ``inst`` (traced once per batch
+        shape)."""
         key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(inst))
-        if key not in self._record_shape_cache:
-            self._record_shape_cache[key] = jax.eval_shape(self._samples[True], params, inst, rng).decoder
-        return self._record_shape_cache[key]
+        if key not in self._record_spec_cache:
+            shapes = jax.eval_shape(self._samples[True], params, inst, rng).decoder
+            self._record_spec_cache[key] = jax.tree.map(
+                lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                shapes, self._record_sharding)
+        return self._record_spec_cache[key]
 
     def memory_bytes(self, state: TrainState, inst: Instance, rng: jax.Array, num_steps: int | None = None) -> int:
         """Device memory (per device) of this batch shape's training step, from XLA's memory analysis of
@@ -679,8 +681,7 @@ class StepFunctions:
         inst = jax.device_put(inst, self.batch_sharding)
         if not self.replays:
             if records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
-                record = jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-                                      self._record_shapes(state.params, inst, rng), self._record_sharding)
+                record = self._record_spec(state.params, inst, rng)
                 return program_memory_bytes(self._sample_and_update_in_place.lower(state, inst, rng, record).compile())
             return program_memory_bytes(self._sample_and_update.lower(state, inst, rng).compile())
         sampler = self._samples[False]          # the replay recomputes everything: no decoder record
