@@ -345,9 +345,12 @@ def authors_infer(model: str, locs: np.ndarray, demand: np.ndarray, code_path, a
 
 
 def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, threads: int | None = None,
-                  seed: int = 0, weights: str | None = "random", device: str = "cpu") -> dict:
+                  seed: int = 0, weights: str | None = "random", device: str = "cpu", warmup: int = 1) -> dict:
     """Full REINFORCE/POMO optimiser steps of the authors' Trainer on fresh CVRP batches of their generator,
-    from ``weights`` (see ``build_model``; random initialisation by default)."""
+    from ``weights`` (see ``build_model``; random initialisation by default): ``warmup`` untimed steps,
+    then ``steps`` timed ones."""
+    if warmup < 1:
+        raise ValueError(f"warmup must be at least 1 step, got {warmup}")
     if size not in TRAIN_SIZES:
         raise ValueError(f"the authors' CVRP generator knows sizes {TRAIN_SIZES}, not {size}")
     authors = _import_authors(code_path)
@@ -372,7 +375,8 @@ def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, 
         return score, loss, env
 
     load_before = _load_average()
-    score, loss, env = step()                                 # warm-up
+    for _ in range(warmup):
+        score, loss, env = step()                             # warm-up
     losses, scores, times, cpu, decode_steps = [loss], [score], [], [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -391,12 +395,13 @@ def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, 
         "batch": batch,
         "num_starts": size,
         "steps": steps,
+        "warmup_steps": warmup,
         "weights": weights_desc,
         "seconds_per_step": seconds,
         "all_seconds": times,
         "cpu_utilisation": sum(cpu) / sum(times),
         "instances_per_second": batch / seconds,
-        "losses": losses,                                      # their loss (REINFORCE + MoE aux), warm-up first
+        "losses": losses,                                      # their loss (REINFORCE + MoE aux), last warm-up first
         "mean_best_tour_length_last_step": scores[-1],         # their score: best over starts, mean over B
         "decode_steps": decode_steps,                          # per timed step (sampling: varies)
         "num_params": sum(p.numel() for p in net.parameters()),
@@ -417,6 +422,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--aug", type=int, choices=(1, 8), default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="train: untimed steps before the timed ones")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where their code runs (cuda: the first GPU torch sees)")
@@ -449,7 +455,7 @@ def main(argv=None) -> dict:
                                device=args.device)
     else:
         result = authors_train(args.model, args.size, args.batch, args.code, steps=args.steps,
-                               threads=args.threads, seed=args.seed, weights=args.weights or "random",
+                               warmup=args.warmup, threads=args.threads, seed=args.seed, weights=args.weights or "random",
                                device=args.device)
     return peer_cli.emit(result, args.output)
 

@@ -247,8 +247,9 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
 
 def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
                    chunk_size: int | None = None, backward: str = "auto", matmul_precision: str | None = None,
-                   **cfg_kw) -> int:
-    """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
+                   steps: int | None = None, warmup: int | None = None, **cfg_kw) -> int:
+    """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run;
+    training's ``steps`` and ``warmup`` change nothing here)."""
     if mode == "infer":
         with precision.matmul_precision(matmul_precision or precision.EVAL_DEFAULT):
             return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
@@ -297,7 +298,7 @@ def default_replay(backend: str | None = None) -> tuple[int, bool]:
 
 def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
                   replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
-                  weights: str = "auto", matmul_precision: str | None = None, **cfg_kw) -> dict:
+                  weights: str = "auto", matmul_precision: str | None = None, warmup: int = 1, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
     batches of ``problems`` (CVRP by default: the inference workload's variant, and the one the peers
     train on; the decoding steps, hence the time, depend on the variant), from the parameters ``weights``
@@ -309,7 +310,7 @@ def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: s
     remat = remat if replay_remat is None else replay_remat
     row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward,
                                    problems=problems, weights=weights_path(model, weights),
-                                   matmul_precision=matmul_precision)
+                                   matmul_precision=matmul_precision, warmup=warmup)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
     return row
 
@@ -329,11 +330,13 @@ def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_t
     ours, theirs, rl4co = [], [], []
     for _ in range(rounds):
         ours.append((measure_infer if mode == "infer" else measure_train)(model, size, batch, **kw))
+        # Training: every framework runs the same untimed warm-up and timed steps.
+        timing = {k: kw[k] for k in ("steps", "warmup") if k in kw} if mode == "train" else {}
         if authors_code:
             theirs.append(authors_row(mode, model, size, batch, kw.get("aug", 8), authors_code,
-                                      weights_path(model, kw.get("weights", "auto"))))
+                                      weights_path(model, kw.get("weights", "auto")), **timing))
         if with_torch:
-            rl4co.append(torch_row(mode, model, size, batch, kw.get("aug", 8)))
+            rl4co.append(torch_row(mode, model, size, batch, kw.get("aug", 8), **timing))
     row = _fastest(ours)
     # Later rounds reuse the first round's compiled program (jax's cache): its compilation is the one to report.
     row["compile_seconds"] = ours[0]["compile_seconds"]
@@ -372,19 +375,22 @@ def per_step_speedup(ours: dict, peer: dict) -> float:
     return per_step(peer) / per_step(ours)
 
 
-def torch_row(mode: str, model: str, size: int, batch: int, aug: int) -> dict:
-    """RL4CO on the same workload (the same generated instances for inference), in this process."""
+def torch_row(mode: str, model: str, size: int, batch: int, aug: int, **timing) -> dict:
+    """RL4CO on the same workload (the same generated instances for inference), in this process.
+    ``timing``: training's ``steps`` and ``warmup`` (see ``torch_peer.torch_train``)."""
     import torch_peer  # benchmarks/torch_peer.py; needs the [torch] extra
 
     if mode == "infer":
         inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
         return torch_peer.torch_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), aug=aug)
-    return torch_peer.torch_train(model, size, batch)
+    return torch_peer.torch_train(model, size, batch, **timing)
 
 
-def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: str, weights: str | None) -> dict:
+def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: str, weights: str | None,
+                **timing) -> dict:
     """The authors' PyTorch code on the same workload (the same generated instances for inference) from the
-    same parameters (``weights``: a checkpoint path, None for random initialisation)."""
+    same parameters (``weights``: a checkpoint path, None for random initialisation). ``timing``: training's
+    ``steps`` and ``warmup`` (see ``authors_peer.authors_train``)."""
     import authors_peer  # benchmarks/authors_peer.py; needs torch and a checkout of their code
 
     weights = weights or "random"
@@ -393,7 +399,7 @@ def authors_row(mode: str, model: str, size: int, batch: int, aug: int, code: st
         inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
         return authors_peer.authors_infer(model, np.asarray(inst.locs), np.asarray(inst.demand), code, aug=aug,
                                           weights=weights, device=device)
-    return authors_peer.authors_train(model, size, batch, code, weights=weights, device=device)
+    return authors_peer.authors_train(model, size, batch, code, weights=weights, device=device, **timing)
 
 
 def main():
@@ -424,6 +430,10 @@ def main():
     p.add_argument("--matmul_precision", default=None, choices=precision.MATMUL_PRECISIONS,
                    help="float32 matmuls on GPUs (mvmoe_jax/precision.py; default: the library's, full float32 "
                         "for inference and tensorfloat32 for training); no effect on a CPU")
+    p.add_argument("--train_steps", type=int, default=3, help="training: timed optimiser steps per round")
+    p.add_argument("--train_warmup", type=int, default=1,
+                   help="training: untimed steps before the timed ones, the same for every framework (ours: the "
+                        "compiling step included), for steady-state figures")
     p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
                    help="training: how the gradient is taken (config.backward; auto = stepwise)")
     p.add_argument("--torch", action="store_true",
@@ -469,6 +479,9 @@ def main():
                     f"torch (see benchmarks/authors_peer.py)")
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.train_steps < 1 or args.train_warmup < 1:
+        p.error(f"--train_steps and --train_warmup must be at least 1, got {args.train_steps} and "
+                f"{args.train_warmup}")
     models = [args.model] if args.model else list(MODELS)
     sizes = [args.size] if args.size else [int(s) for s in args.sizes.split(",")]
     try:
@@ -489,7 +502,8 @@ def main():
         for model in models:
             for size in sizes:
                 extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
+                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights,
+                                                 steps=args.train_steps, warmup=args.train_warmup)
                 extra["matmul_precision"] = args.matmul_precision
                 listed = [b for b in batches if b != "max"]
                 search = None

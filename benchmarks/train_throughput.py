@@ -58,23 +58,26 @@ def program_memory(config_name: str, size: int, pomo: int, batch: int, chunk: in
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
             max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
-            weights: str | None = None, matmul_precision: str | None = None) -> dict:
-    """``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
+            weights: str | None = None, matmul_precision: str | None = None, warmup: int = 1) -> dict:
+    """``warmup``: untimed steps before the ``steps`` timed ones, the first (compiling) step included; steps
+    that compile (a new replay length) are never timed. ``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
     (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
     Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
     (an untrained policy returns to the depot far more often). ``matmul_precision``: training's (None: the
     config's, as train.py runs it)."""
+    if warmup < 1:
+        raise ValueError(f"warmup counts the first (compiling) step: at least 1, got {warmup}")
     config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems,
                                    matmul_precision)
     with precision.matmul_precision(config.matmul_precision):
         row = _timed_steps(config_name, config, plan, fns, size, pomo, batch, steps, chunk, remat,
-                           max_compile_steps, weights)
+                           max_compile_steps, weights, warmup)
     row["matmul_precision"] = config.matmul_precision
     return row
 
 
 def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batch: int, steps: int, chunk: int,
-                 remat: bool, max_compile_steps: int, weights: str | None) -> dict:
+                 remat: bool, max_compile_steps: int, weights: str | None, warmup: int = 1) -> dict:
     """The measurement of ``measure``: compile, then ``steps`` timed optimiser steps."""
     num_devices = fns.num_devices
     t0 = time.perf_counter()
@@ -90,7 +93,7 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
     seen, compile_s, timed, lengths, steps_needed = set(), init_s, [], [], []
     key = jax.random.key(config.seed)
     step = 0
-    while len(timed) < steps and step < steps + max_compile_steps:
+    while len(timed) < steps and step < warmup + steps + max_compile_steps:
         k_data, k_roll = jax.random.split(training.step_key(key, step))
         t0 = time.perf_counter()
         inst = fns.batch(k_data, batch)
@@ -115,6 +118,8 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
         seen.add(length)
         if first:
             compile_s += t2 - t0
+        elif step < warmup:
+            pass                                         # warm-up: run, not timed
         else:
             timed.append((t1 - t0, t2 - t1))
             lengths.append(length)
@@ -128,7 +133,8 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
             "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
-            "replay_chunk": chunk, "replay_remat": remat, "timed_steps": len(timed),
+            "replay_chunk": chunk, "replay_remat": remat, "warmup_steps": warmup, "timed_steps": len(timed),
+            "steps_run": step,
             "decoder_record": training.records_decoder(fns.settings, plan.policy, inst, fns.max_steps, fns.mesh),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
@@ -149,6 +155,8 @@ def main():
     p.add_argument("--pomo", type=int, default=0, help="POMO starts; 0 = n")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed steps (after compilation)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed steps before the timed ones, the first (compiling) step included")
     p.add_argument("--problems", default="", help="training variants, comma list (default: the config's)")
     p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
                    help="how gradients are taken (config.backward)")
@@ -166,7 +174,8 @@ def main():
     rows = []
     for name in args.configs.split(","):
         row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
-                      backward=args.backward, problems=args.problems or None, weights=args.weights or None)
+                      backward=args.backward, problems=args.problems or None, weights=args.weights or None,
+                      warmup=args.warmup)
         rows.append(row)
         print(f"{name}: {row['instances_per_second']:.1f} instances/s ({split(row)} s/step; compile "
               f"{row['compile_seconds']:.0f} s)", flush=True)

@@ -65,7 +65,8 @@ def test_throughput_finds_the_largest_batch_that_fits(tmp_path):
 
 def test_throughput_rejects_bad_batches_and_precisions():
     for flag, message in (("--batches=1,many", "--batches must list positive integers"),
-                          ("--matmul_precision=fp8", "argument --matmul_precision: invalid choice")):
+                          ("--matmul_precision=fp8", "argument --matmul_precision: invalid choice"),
+                          ("--train_warmup=0", "--train_steps and --train_warmup must be at least 1")):
         proc = subprocess.run([sys.executable, "benchmarks/throughput.py", flag], cwd=REPO_ROOT,
                               capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr, (flag, proc.stderr[-300:])
@@ -214,9 +215,12 @@ def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
     checkpoints = require_shared("fixtures", "torch-reference", "checkpoints")
     train_throughput = _benchmarks_module("train_throughput")
     row = train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
-                                   weights=str(checkpoints / "mtl_n20_fixture.pt"))
-    assert row["weights"] == "mtl_n20_fixture.pt" and row["timed_steps"] == 1
-    assert row["instances_per_second"] > 0
+                                   weights=str(checkpoints / "mtl_n20_fixture.pt"), warmup=2)
+    assert row["weights"] == "mtl_n20_fixture.pt" and row["timed_steps"] == 1 and row["warmup_steps"] == 2
+    assert row["steps_run"] == 3                                  # the compiling step, one more untimed, one timed
+    assert row["instances_per_second"] > 0 and len(row["decode_steps"]) == 1
+    with pytest.raises(ValueError, match="warmup counts the first .compiling. step: at least 1, got 0"):
+        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, warmup=0)
     # A checkpoint of another model is refused by name, not run.
     from mvmoe_jax.checkpoints import CheckpointMismatchError
     with pytest.raises(CheckpointMismatchError, match="holds a 'mvmoe' model.*asks for 'pomo_mtl'"):
