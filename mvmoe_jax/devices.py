@@ -11,6 +11,7 @@ training step 1.2-1.3x faster (benchmarks/throughput.py, ``--cpu_devices``; docs
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -36,6 +37,21 @@ def largest_divisor_at_most(limit: int, *sizes: int) -> int:
         if all(s % d == 0 for s in sizes):
             return d
     return 1
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_avx512() -> bool:
+    """Whether the host CPU reports AVX-512 (``avx512f`` among Linux's /proc/cpuinfo flags; False where
+    that file is missing or unreadable). XLA:CPU's small matmul kernels differ by instruction set, and so
+    does which way of writing some products is faster (see ``attention.products_against_transposes``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return False
 
 
 def use_cpu_cores_as_devices(count: int | None = None) -> int:

@@ -344,3 +344,34 @@ def test_readout_product_gradients_equal_autodiff():
     want = jax.grad(loss(plain), argnums=(0, 1))(x, readout)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("against_transposes", [True, False])
+def test_attention_gradients_equal_autodiff_either_way_of_writing_the_products(monkeypatch, against_transposes):
+    """The attention's hand-written backward pass gives autodiff's gradients of plain masked softmax
+    attention, with its key and value products written against explicit transposes or left to XLA as
+    transposed-operand products (``attention.products_against_transposes``, chosen by the CPU)."""
+    from mvmoe_jax.nn import attention
+    monkeypatch.setattr(attention, "PRODUCTS_AGAINST_TRANSPOSES", against_transposes)
+    assert attention.products_against_transposes() is against_transposes
+    rng = np.random.default_rng(5)
+    b, h, m, n, d = 2, 3, 5, 7, 4
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, h, m, d), (b, h, n, d), (b, h, n, d)))
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.7).at[:, :, 0].set(True)   # every query sees a node
+    weights = jnp.asarray(rng.standard_normal((b, m, h * d)), jnp.float32)
+
+    def plain(q, k, v):
+        score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(d))
+        score = jnp.where(mask[:, None], score, -jnp.inf)
+        return attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", jax.nn.softmax(score, axis=-1), v))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * weights)
+
+    ours = lambda q, k, v: attention.multi_head_attention(q, k, v, mask)
+    np.testing.assert_allclose(ours(q, k, v), plain(q, k, v), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
