@@ -389,31 +389,37 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (300, 2)), jnp.float32)
     active = jnp.asarray(rng.uniform(size=(300, 2)) > 0.2)
 
-    def dense(p, x):
+    def dense(p, x, w=weights):
         out = M.experts_forward(p, x[:, 0], per_expert=False)                      # (E, U, o)
-        gates = jnp.einsum("uk,uke->ue", jnp.where(active, weights, 0.0), jax.nn.one_hot(index, 4))
+        gates = jnp.einsum("uk,uke->ue", jnp.where(active, w, 0.0), jax.nn.one_hot(index, 4))
         return jnp.einsum("ue,euo->uo", gates, out)[:, None]
 
-    def grouped(p, x):
-        return M.grouped_experts_forward(p, x, index, weights, active, block=32)
+    def grouped(p, x, w=weights):
+        return M.grouped_experts_forward(p, x, index, w, active, block=32)
 
-    def side_by_side(p, x):
-        gates = jnp.einsum("uk,uke->ue", jnp.where(active, weights, 0.0), jax.nn.one_hot(index, 4))
+    def side_by_side(p, x, w=weights):
+        gates = jnp.einsum("uk,uke->ue", jnp.where(active, w, 0.0), jax.nn.one_hot(index, 4))
         return M.gated_experts_forward(p, x[:, 0], gates)[:, None]
 
-    def grouped_in_three_sorts(p, x):
+    def grouped_in_three_sorts(p, x, w=weights):
         with M.sort_groups(3):                  # traced (under jit) inside the context: 3 sorts of 100 units
-            return grouped(p, x)
+            return grouped(p, x, w)
 
     # An independent float64 recomputation: sum over experts of gate * expert(x).
     gates64 = np.einsum("uk,uke->ue", np.where(active, weights, 0.0), np.eye(4)[np.asarray(index)])
     expected = np.einsum("ue,euo->uo", gates64, np_experts({f"experts_{k}": v for k, v in params.items()},
                                                            np.asarray(units[:, 0], np.float64)))[:, None]
-    # jit: one compilation each, against hundreds of op-by-op ones for the eager gradients.
-    g_dense = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(dense(p, x))), argnums=(0, 1)))(params, units)
+    # jit: one compilation each, against hundreds of op-by-op ones for the eager gradients. The gradient
+    # in the gates too (what the gating learns from), zero for inactive assignments.
+    def gradient(execution):
+        return jax.jit(jax.grad(lambda p, x, w: jnp.sum(jnp.sin(execution(p, x, w))), argnums=(0, 1, 2)))(
+            params, units, weights)
+
+    g_dense = gradient(dense)
+    assert not np.asarray(g_dense[2])[~np.asarray(active)].any() and np.abs(g_dense[2]).max() > 0
     for execution in (grouped, side_by_side, grouped_in_three_sorts):
         np.testing.assert_allclose(jax.jit(execution)(params, units), expected, rtol=1e-5, atol=1e-5)
-        g = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(execution(p, x))), argnums=(0, 1)))(params, units)
+        g = gradient(execution)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

@@ -604,7 +604,11 @@ def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_i
         out = jax.lax.map(run_block, (x, block_expert),
                           batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
     out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
-    out = out * slot_weight[:, None, None].astype(out.dtype)
+    # Weighted as a product rather than a broadcast multiply: the gate's cotangent is then a (L, R x o)
+    # contraction, where the multiply's was a multiply and a minor-axis sum that XLA:CPU runs slowly
+    # (one core, 3,840 x 128: 0.52 against 1.87 ms for the weighting's gradient; 5-33 ms per encoder layer
+    # in a traced MVMoE/4E training step on an AVX-512 Xeon, gone with this form).
+    out = jnp.einsum("lro,l->lro", out, slot_weight.astype(out.dtype))
     return jax.ops.segment_sum(out, slot_unit, num_segments=num_units)
 
 
