@@ -455,8 +455,8 @@ def main(argv=None) -> dict:
                                device=args.device)
     else:
         result = authors_train(args.model, args.size, args.batch, args.code, steps=args.steps,
-                               warmup=args.warmup, threads=args.threads, seed=args.seed, weights=args.weights or "random",
-                               device=args.device)
+                               warmup=args.warmup, threads=args.threads, seed=args.seed,
+                               weights=args.weights or "random", device=args.device)
     return peer_cli.emit(result, args.output)
 
 

@@ -60,8 +60,9 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
             max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
             weights: str | None = None, matmul_precision: str | None = None, warmup: int = 1) -> dict:
     """``warmup``: untimed steps before the ``steps`` timed ones, the first (compiling) step included; steps
-    that compile (a new replay length) are never timed. ``problems``: the training variants (comma list; default: the config's). ``weights``: a checkpoint
-    (original ``.pt`` or orbax) to start from, as fine-tuning does; None: random initialisation (seed 0).
+    that compile (a new replay length) are never timed. ``problems``: the training variants (comma list;
+    default: the config's). ``weights``: a checkpoint (original ``.pt`` or orbax) to start from, as
+    fine-tuning does; None: random initialisation (seed 0).
     Where the policy starts matters: the decoding steps a batch needs, hence a step's time, depend on it
     (an untrained policy returns to the depot far more often). ``matmul_precision``: training's (None: the
     config's, as train.py runs it)."""
