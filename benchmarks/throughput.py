@@ -247,9 +247,8 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
 
 def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
                    chunk_size: int | None = None, backward: str = "auto", matmul_precision: str | None = None,
-                   steps: int | None = None, warmup: int | None = None, **cfg_kw) -> int:
-    """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run;
-    training's ``steps`` and ``warmup`` change nothing here)."""
+                   **cfg_kw) -> int:
+    """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
     if mode == "infer":
         with precision.matmul_precision(matmul_precision or precision.EVAL_DEFAULT):
             return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
@@ -323,15 +322,15 @@ def _fastest(rows: list[dict]) -> dict:
 
 
 def run(mode: str, model: str, size: int, batch: int, peak: float | None, with_torch: bool = False,
-        authors_code: str | None = None, rounds: int = 1, **kw) -> dict:
+        authors_code: str | None = None, rounds: int = 1, timing: dict | None = None, **kw) -> dict:
     """One workload: ours, then (when asked) the authors' code and RL4CO, ``rounds`` times in turn; each
     framework's fastest round is kept. Interleaving the rounds lets a slow spell of a shared machine
     (seen here: the same program 1.6x slower for minutes) fall on every framework alike."""
+    # Training: every framework runs the same untimed warm-up and timed steps.
+    timing = (timing or {}) if mode == "train" else {}
     ours, theirs, rl4co = [], [], []
     for _ in range(rounds):
-        ours.append((measure_infer if mode == "infer" else measure_train)(model, size, batch, **kw))
-        # Training: every framework runs the same untimed warm-up and timed steps.
-        timing = {k: kw[k] for k in ("steps", "warmup") if k in kw} if mode == "train" else {}
+        ours.append((measure_infer if mode == "infer" else measure_train)(model, size, batch, **timing, **kw))
         if authors_code:
             theirs.append(authors_row(mode, model, size, batch, kw.get("aug", 8), authors_code,
                                       weights_path(model, kw.get("weights", "auto")), **timing))
@@ -502,8 +501,7 @@ def main():
         for model in models:
             for size in sizes:
                 extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights,
-                                                 steps=args.train_steps, warmup=args.train_warmup)
+                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
                 extra["matmul_precision"] = args.matmul_precision
                 listed = [b for b in batches if b != "max"]
                 search = None
@@ -521,7 +519,8 @@ def main():
                     jax.clear_caches()
                 for batch in listed:
                     row = run(mode, model, size, batch, peak, with_torch=args.torch, authors_code=args.authors,
-                              rounds=args.rounds, **extra)
+                              rounds=args.rounds, timing=dict(steps=args.train_steps, warmup=args.train_warmup),
+                              **extra)
                     if search and batch == search["largest"]:
                         row["largest_batch_search"] = search
                     rows.append(row)

@@ -94,7 +94,8 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
     seen, compile_s, timed, lengths, steps_needed = set(), init_s, [], [], []
     key = jax.random.key(config.seed)
     step = 0
-    while len(timed) < steps and step < warmup + steps + max_compile_steps:
+    # warmup counts the compiling step, which max_compile_steps already allows for.
+    while len(timed) < steps and step < warmup - 1 + steps + max_compile_steps:
         k_data, k_roll = jax.random.split(training.step_key(key, step))
         t0 = time.perf_counter()
         inst = fns.batch(k_data, batch)
