@@ -210,6 +210,35 @@ def test_per_step_speedup_normalises_by_decoding_steps():
                                        {"seconds": 1.0, "decode_steps": 80}) == pytest.approx(0.5)
 
 
+def test_rl4co_feasibility_check_runs_once_and_covers_rounds_with_the_same_tours(monkeypatch):
+    """RL4CO's slow feasibility check runs in the first inference round only; a later round is marked
+    feasible only when it decoded the same tours (equal objective and steps), never by default."""
+    throughput = _benchmarks_module("throughput")
+    checks = []
+
+    def fake_torch_row(mode, model, size, batch, aug, check_solution=True, **timing):
+        checks.append(check_solution)
+        seconds = 2.0 if check_solution else 1.0            # the unchecked round is the fastest
+        return {"instances_per_second": batch / seconds, "seconds": seconds, "decode_steps": 30,
+                "mean_objective": 7.5, "feasible": True if check_solution else None}
+
+    ours = {"instances_per_second": 4.0, "seconds": 0.5, "decode_steps": 30, "compile_seconds": 1.0}
+    monkeypatch.setattr(throughput, "torch_row", fake_torch_row)
+    monkeypatch.setattr(throughput, "measure_infer", lambda *a, **k: dict(ours))
+    row = throughput.run("infer", "pomo_mtl", 20, 2, None, with_torch=True, rounds=3)
+    assert checks == [True, False, False]
+    assert row["torch"]["seconds"] == 1.0 and row["torch"]["feasible"] is True
+
+    rows = [{"mean_objective": 7.5, "decode_steps": 30, "feasible": True},
+            {"mean_objective": 7.6, "decode_steps": 30, "feasible": None},      # other tours
+            {"mean_objective": 7.5, "decode_steps": 31, "feasible": None}]
+    throughput.carry_feasibility(rows)
+    assert [r["feasible"] for r in rows] == [True, None, None]
+    unchecked = [{"mean_objective": 7.5, "decode_steps": 30, "feasible": None}]
+    throughput.carry_feasibility(unchecked)
+    assert unchecked[0]["feasible"] is None
+
+
 def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
     from conftest import require_shared
     checkpoints = require_shared("fixtures", "torch-reference", "checkpoints")
