@@ -558,7 +558,7 @@ def main():
     meta = {"device": device_description(), "jax": jax.__version__, "matmul_peak_gflops": peak,
             "matmul_peak_gflops_at_start": peak_at_start,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "xla_flags": os.environ.get("XLA_FLAGS", "")}
     result = dict(rows[0], **meta) if len(rows) == 1 else dict(meta, rows=rows)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)

@@ -192,6 +192,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"device": device, "jax": jax.__version__, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                   "xla_flags": os.environ.get("XLA_FLAGS", ""),
                    "load_average_before": load_before,
                    "load_average_after": load_after, "args": vars(args), "rows": rows}, f, indent=1)
     print(f"\nwrote {args.output}")

@@ -21,6 +21,8 @@ from jax.sharding import Mesh
 
 DATA_AXIS = "data"
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
+_VECTOR_WIDTH_FLAG = "--xla_cpu_prefer_vector_width"
+_WIDE_VECTORS = f"{_VECTOR_WIDTH_FLAG}=512"
 
 
 def usable_cores() -> int:
@@ -54,14 +56,42 @@ def cpu_has_avx512() -> bool:
     return False
 
 
+def xla_flags_with_wide_vectors(flags: str, avx512: bool) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) asking XLA:CPU for 512-bit vectors in the loops it generates,
+    where the CPU has AVX-512 (``avx512``) and ``flags`` choose no width themselves; otherwise unchanged.
+
+    XLA:CPU prefers 256-bit vectors by default, even on AVX-512 CPUs. On a 2-core AVX-512 Xeon, with the
+    same program compiled both ways in one process and calls alternating (identical objectives and tours):
+    one n = 100 instance greedy x8 (30 pairs) took 3.8 ms less for MVMoE/4E (standard error 0.8, of 145 ms),
+    4.3 (0.7) for MVMoE/4E-L and 2.3 (0.9) for POMO-MTL; 64 instances at n = 50 (8 pairs) 11 (8) and 20 (8)
+    ms less of 1.9 and 1.2 s; a MVMoE/4E training step 0.16 (0.12) ms less per decoding step, of 20. The
+    decoding step's many small elementwise fusions (masks, score gathers, normalisations) are what gain.
+    """
+    if not avx512 or _VECTOR_WIDTH_FLAG in flags:
+        return flags
+    return f"{flags} {_WIDE_VECTORS}".strip()
+
+
+def prefer_wide_vectors() -> bool:
+    """Adds ``xla_flags_with_wide_vectors`` to this process's ``XLA_FLAGS`` (XLA reads them at JAX's first
+    compilation, so call it before any: ``use_cpu_cores_as_devices`` does). A width already given in
+    ``XLA_FLAGS`` wins. Returns whether the flags now ask for 512-bit vectors."""
+    flags = xla_flags_with_wide_vectors(os.environ.get("XLA_FLAGS", ""), cpu_has_avx512())
+    if flags:
+        os.environ["XLA_FLAGS"] = flags
+    return _WIDE_VECTORS in flags
+
+
 def use_cpu_cores_as_devices(count: int | None = None) -> int:
     """Present the CPU as ``count`` JAX devices (default: one per usable core). Call it before JAX runs
     anything (the setting is read when the backends start); it does not affect accelerators, which keep
     their own devices. ``XLA_FLAGS`` naming ``--xla_force_host_platform_device_count`` wins over it.
+    On an AVX-512 CPU it also asks XLA:CPU for 512-bit vectors (``prefer_wide_vectors``).
 
     Returns the number of CPU devices asked for (1: left as JAX's default). Raises RuntimeError when JAX's
     backends have already started with another number of CPU devices.
     """
+    prefer_wide_vectors()
     if _FORCE_FLAG in os.environ.get("XLA_FLAGS", ""):
         return len(jax.devices("cpu"))
     count = usable_cores() if count is None else int(count)

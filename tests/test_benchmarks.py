@@ -26,6 +26,10 @@ def test_throughput_contract(tmp_path):
     assert res["instances_per_second"] > 0 and res["compile_seconds"] > 0 and res["device"]
     # Inference runs without the huge-page restart (measured for training only; host_memory.py).
     assert res["glibc_tunables"] == os.environ.get("GLIBC_TUNABLES", "")
+    # The XLA flags it ran with are recorded: 512-bit vectors on an AVX-512 CPU (devices.prefer_wide_vectors).
+    from mvmoe_jax import devices
+    assert res["xla_flags"] == devices.xla_flags_with_wide_vectors(os.environ.get("XLA_FLAGS", ""),
+                                                                 devices.cpu_has_avx512())
     # Two rounds measured; the fastest is reported.
     assert len(res["rounds_instances_per_second"]) == 2
     assert res["instances_per_second"] == max(res["rounds_instances_per_second"])

@@ -241,6 +241,8 @@ try:
     devices.use_cpu_cores_as_devices(3)
 except RuntimeError as e:
     out["late"] = str(e)
+import os
+out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
 print("RESULT" + json.dumps(out))
 """
 
@@ -265,10 +267,22 @@ def test_greedy_evaluation_over_two_cpu_devices_equals_one_device():
             np.testing.assert_array_equal(np.asarray(out[model][field]), np.asarray(getattr(one, field)),
                                           err_msg=f"{model} {field}")
     assert "already started with 2" in out["late"]
+    # 512-bit vectors asked for on an AVX-512 CPU only; on one, the equalities above hold with them.
+    assert ("--xla_cpu_prefer_vector_width=512" in out["xla_flags"]) == devices.cpu_has_avx512()
     assert out["replicated_devices"] == [2] and out["replicated_again_is_no_copy"]
     assert out["replicated_again_returns_them"] and out["replicated_same_obj"]
     assert out["replicated_mixed_keeps_placed"] and out["replicated_mixed_places_rest"] == [2]
     assert out["replicated_mixed_put_leaves"] == out["inst_leaves"]
+
+
+def test_wide_vectors_are_asked_for_on_avx512_only_and_never_over_a_given_width():
+    wide = "--xla_cpu_prefer_vector_width=512"
+    assert devices.xla_flags_with_wide_vectors("", avx512=True) == wide
+    assert devices.xla_flags_with_wide_vectors("--xla_dump_to=/tmp/d", avx512=True) == f"--xla_dump_to=/tmp/d {wide}"
+    assert devices.xla_flags_with_wide_vectors("--xla_dump_to=/tmp/d", avx512=False) == "--xla_dump_to=/tmp/d"
+    own = "--xla_cpu_prefer_vector_width=256"
+    assert devices.xla_flags_with_wide_vectors(own, avx512=True) == own
+    assert devices.xla_flags_with_wide_vectors(wide, avx512=True) == wide     # not added twice
 
 
 def test_largest_divisor_at_most():
