@@ -1,5 +1,6 @@
-"""Which devices a run uses: the one-axis data mesh, and a CPU's cores presented as separate devices;
-and how much memory a compiled program needs on each.
+"""Which devices a run uses: the one-axis data mesh, and a CPU's cores presented as separate devices
+(with 512-bit vectors asked of XLA:CPU where the CPU has AVX-512); and how much memory a compiled program
+needs on each.
 
 Why split a CPU: a decoding step is many small operations. XLA:CPU runs one program's operations one
 after another, each spread over the cores, and the cores wait on each other between them; on a 2-core
