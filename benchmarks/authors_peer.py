@@ -349,8 +349,7 @@ def authors_train(model: str, size: int, batch: int, code_path, steps: int = 3, 
     """Full REINFORCE/POMO optimiser steps of the authors' Trainer on fresh CVRP batches of their generator,
     from ``weights`` (see ``build_model``; random initialisation by default): ``warmup`` untimed steps,
     then ``steps`` timed ones."""
-    if warmup < 1:
-        raise ValueError(f"warmup must be at least 1 step, got {warmup}")
+    peer_cli.check_warmup(warmup)
     if size not in TRAIN_SIZES:
         raise ValueError(f"the authors' CVRP generator knows sizes {TRAIN_SIZES}, not {size}")
     authors = _import_authors(code_path)

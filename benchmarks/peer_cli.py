@@ -32,6 +32,13 @@ def cvrp_workload(seed: int, batch: int, size: int) -> tuple[np.ndarray, np.ndar
     return np.asarray(inst.locs), np.asarray(inst.demand)
 
 
+def check_warmup(warmup: int) -> None:
+    """Refuses a peer training run with fewer than one untimed warm-up step (its first step pays one-off
+    allocation and caching, which no timed step may include)."""
+    if warmup < 1:
+        raise ValueError(f"warmup must be at least 1 step, got {warmup}")
+
+
 def emit(result: dict, output: str | None) -> dict:
     """Print ``result`` as JSON, also write it to ``output`` when given; return it."""
     text = json.dumps(result, indent=2)

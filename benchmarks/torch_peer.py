@@ -226,8 +226,7 @@ def torch_train(model: str, size: int, batch: int, steps: int = 3, threads: int 
                 seed: int = 0, warmup: int = 1) -> dict:
     """Full RL4CO REINFORCE/POMO optimiser steps (all n starts, no augmentation) on fresh CVRP batches:
     ``warmup`` untimed steps, then ``steps`` timed ones."""
-    if warmup < 1:
-        raise ValueError(f"warmup must be at least 1 step, got {warmup}")
+    peer_cli.check_warmup(warmup)
     torch, rl4co, *_ = _import_torch()
     if threads is not None:
         torch.set_num_threads(int(threads))

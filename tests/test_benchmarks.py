@@ -243,6 +243,15 @@ def test_rl4co_feasibility_check_runs_once_and_covers_rounds_with_the_same_tours
     assert unchecked[0]["feasible"] is None
 
 
+def test_peers_refuse_a_training_run_without_warm_up():
+    """Both PyTorch peers refuse zero warm-up steps by name, before importing torch or the authors' code."""
+    for module, train in (("torch_peer", "torch_train"), ("authors_peer", "authors_train")):
+        fn = getattr(_benchmarks_module(module), train)
+        args = ("mvmoe", 20, 2) + (("/nonexistent",) if module == "authors_peer" else ())
+        with pytest.raises(ValueError, match="warmup must be at least 1 step, got 0"):
+            fn(*args, warmup=0)
+
+
 def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
     from conftest import require_shared
     checkpoints = require_shared("fixtures", "torch-reference", "checkpoints")
