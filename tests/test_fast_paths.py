@@ -389,3 +389,36 @@ def test_attention_gradients_equal_autodiff_either_way_of_writing_the_products(m
     want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("by_slices", [True, False])
+def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch, by_slices):
+    """The decoder's head merge by concatenated slices (``attention.merge_heads_by_slices``, chosen on a
+    CPU) builds the very array the transpose does, and the attention from given scores is bitwise the same
+    either way, weights included; both equal plain masked softmax attention."""
+    from mvmoe_jax.nn import attention
+    rng = np.random.default_rng(11)
+    b, h, m, n, d = 2, 4, 6, 9, 5
+    x = jnp.asarray(rng.standard_normal((b, h, m, d)), jnp.float32)
+    np.testing.assert_array_equal(attention.merge_heads_by_slices(x), attention.merge_heads(x))
+    assert attention.merge_heads_by_slices(x).shape == (b, m, h * d)
+
+    score = jnp.asarray(rng.standard_normal((b, h, m, n)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.6).at[:, :, 0].set(True)
+    monkeypatch.setattr(attention, "MERGE_BY_SLICES", not by_slices)
+    other_out, other_weights = jax.jit(lambda s, v: attention.attention_from_scores(s, v, mask, True))(score, v)
+    monkeypatch.setattr(attention, "MERGE_BY_SLICES", by_slices)
+    assert attention.merges_by_slices() is by_slices
+    out, weights = jax.jit(lambda s, v: attention.attention_from_scores(s, v, mask, True))(score, v)
+    np.testing.assert_array_equal(out, other_out)
+    np.testing.assert_array_equal(weights, other_weights)
+    plain = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(out, attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", plain, v)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_heads_merge_by_slices_on_a_cpu_by_default(monkeypatch):
+    from mvmoe_jax.nn import attention
+    monkeypatch.setattr(attention, "MERGE_BY_SLICES", None)
+    assert attention.merges_by_slices() is (jax.default_backend() == "cpu")
