@@ -43,9 +43,10 @@ def merges_by_slices() -> bool:
     ``merge_heads`` (``MERGE_BY_SLICES`` overrides): on a CPU. Measured on the 2-core AVX-512 Intel Xeon
     (2026-11-29), the same programs compiled both ways in one process, calls alternating, identical tours:
     one instance of n = 100 solved greedily x8 (MVMoE/4E, the decoder's (8, 100, 16) output merged at each
-    of ~450 steps per device) took 4.2-4.6 ms less (standard error 0.8-1.0) of ~141 ms, and 64 instances of
-    n = 50 20 ms less (7) of 1.82 s. Only this merge: the encoder's (in ``multi_head_attention``) gained
-    nothing, nor did the training step. Accelerators keep the transpose."""
+    of ~450 steps per device) took 4.2 ms less (standard error 1.0) of ~141 ms, and 64 instances of n = 50
+    20 ms less (7) of 1.82 s. Only this merge: merging the encoder's heads (``multi_head_attention``) by slices
+    as well gained nothing more (3.6-4.6 ms in all), and the training step was a tie either way. Accelerators
+    keep the transpose."""
     if MERGE_BY_SLICES is not None:
         return MERGE_BY_SLICES
     return jax.default_backend() == "cpu"
