@@ -422,3 +422,37 @@ def test_heads_merge_by_slices_on_a_cpu_by_default(monkeypatch):
     from mvmoe_jax.nn import attention
     monkeypatch.setattr(attention, "MERGE_BY_SLICES", None)
     assert attention.merges_by_slices() is (jax.default_backend() == "cpu")
+
+
+@pytest.mark.parametrize("from_output", [True, False])
+def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_output):
+    """The backward pass of the attention whose weights and output are given (training's decoding steps)
+    gives autodiff's gradients of plain masked softmax attention, with the softmax backward's row sums
+    taken from the recorded output and its cotangent (``attention.output_row_sums``) or from the weights."""
+    from mvmoe_jax.nn import attention
+    monkeypatch.setattr(attention, "ROW_SUMS_FROM_OUTPUT", from_output)
+    rng = np.random.default_rng(13)
+    b, h, m, n, d = 2, 4, 5, 7, 3
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, h, m, d), (b, h, n, d), (b, h, n, d)))
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.6).at[:, :, 0].set(True)
+    cotangent_weights = jnp.asarray(rng.standard_normal((b, m, h * d)), jnp.float32)
+
+    def plain(q, k, v):
+        score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(d))
+        return jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)
+
+    weights = plain(q, k, v)
+    out = attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", weights, v))
+    given = lambda q, k, v: attention.attention_with_given_weights(q, k, v, weights, out)
+    reference = lambda q, k, v: attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", plain(q, k, v), v))
+    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * cotangent_weights))
+    got = jax.jit(jax.grad(loss(given), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    # The row sums from the output are the weights' own.
+    g_split = attention.split_heads(jnp.cos(out) * cotangent_weights, h)
+    d_weights = jnp.einsum("bhmd,bhnd->bhmn", g_split, v)
+    np.testing.assert_allclose(attention.output_row_sums(jnp.cos(out) * cotangent_weights, out, h),
+                               jnp.sum(d_weights * weights, axis=-1, keepdims=True), rtol=1e-5, atol=1e-6)
