@@ -24,7 +24,7 @@ MERGE_BY_SLICES: bool | None = None
 # 2.22-2.29 against 2.58-2.63 ms; the MVMoE/4E training step (n = 50, batch 64, two devices, blocks of three
 # steps alternating in one process, 20 steps each) 0.23 and 0.28 ms less per decoding step (standard errors
 # 0.16 and 0.13, the two orders) of ~20 ms. The same gradient up to float32 rounding. Read at trace time.
-ROW_SUMS_FROM_OUTPUT = True
+ROW_SUMS_FROM_OUTPUT: bool = True
 
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
@@ -107,7 +107,8 @@ def attention_with_given_weights(q: jax.Array, k: jax.Array, v: jax.Array, weigh
     and output (B, m, H*d), recorded when the same attention ran before (training's sampling pass, see
     ``attention_from_scores(..., with_weights=True)``). Returns ``out``; the backward pass is
     ``multi_head_attention``'s, cotangents for q, k and v, none for the record (it must equal what q, k
-    and v give, and depend on nothing differentiated)."""
+    and v give, and depend on nothing differentiated), with the softmax backward's row sums taken from
+    ``out`` (``output_row_sums``, see ``ROW_SUMS_FROM_OUTPUT``)."""
     return _attention_given_weights(q, k, v, weights, out)
 
 
