@@ -118,14 +118,14 @@ def _attention_given_weights(q, k, v, weights, out):
 
 
 def _attention_given_weights_fwd(q, k, v, weights, out):
-    return out, (q, k, v, weights, out)
+    return out, ((q, k, v, weights), out)
 
 
 def _attention_given_weights_bwd(residuals, g):
-    *attention_residuals, out = residuals
+    attention_residuals, out = residuals
     num_heads = attention_residuals[3].shape[1]
     row_sums = output_row_sums(g, out, num_heads) if ROW_SUMS_FROM_OUTPUT else None
-    dq, dk, dv, _ = _attention_bwd(tuple(attention_residuals), split_heads(g, num_heads), row_sums)
+    dq, dk, dv, _ = _attention_bwd(attention_residuals, split_heads(g, num_heads), row_sums)
     return dq, dk, dv, None, None
 
 
