@@ -475,6 +475,8 @@ def test_auto_dispatch_groups_mlp_experts_on_cpu_only():
             pass
     for explicit in M.DISPATCHES:
         assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1) == explicit
+    assert M.group_block(M.GROUP_BLOCK_SMALL_BELOW - 1) == M.GROUP_BLOCK_SMALL
+    assert M.group_block(M.GROUP_BLOCK_SMALL_BELOW) == M.GROUP_BLOCK
     assert M.group_block(M.GROUP_BLOCK_LARGE_FROM - 1) == M.GROUP_BLOCK
     assert M.group_block(M.GROUP_BLOCK_LARGE_FROM) == M.GROUP_BLOCK_LARGE
 

@@ -200,20 +200,33 @@ AUTO_DISPATCH = "auto"
 # Units per block of the grouped execution: large enough for efficient matmuls on CPU, small enough that
 # the padding (< one block per expert) stays a small fraction of the work. Measured on one core of a
 # 2-core x86 CPU, MLP experts 128 -> 512 -> 128, top-2 of 4: blocks of 128 were fastest up to ~1,600
-# tokens, 256 from ~3,300 tokens on (58 against 64 ms at 6,528 tokens).
+# tokens, 256 from ~3,300 tokens on (58 against 64 ms at 6,528 tokens). Below 1,024 assignments the
+# padding dominates and blocks of 32 won on a 2-core AVX-512 Xeon (session 25, whole inference calls,
+# MVMoE/4E): at 808 assignments (one n = 100 instance, x8, per device) 32 beat 64 by 2.7 ms (se 0.6) and
+# 64 beat 128 by 5.8 ms (2.0) of ~135; 16 was 1.3 ms (0.8) slower than 32. At 1,632 (n = 50, batch 64)
+# blocks of 32, 64 and 128 tied within 1%.
+GROUP_BLOCK_SMALL = 32
+GROUP_BLOCK_SMALL_BELOW = 1024         # assignments (tokens x k)
 GROUP_BLOCK = 128
 GROUP_BLOCK_LARGE = 256
 GROUP_BLOCK_LARGE_FROM = 6144          # assignments (tokens x k)
 # From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
-# padding blocks outweigh the saved work (one n = 100 instance is 202 assignments), and the side-by-side
-# dense execution is as fast. At an encoder call of 816 tokens (1,632 assignments) the two tie in
-# isolation, but the grouped one ran the whole n = 50 inference workload 1.15-1.25x faster: the dense
-# execution's (tokens, E x hidden) activations (6.7 MB) push the rest of the encoder out of cache.
-AUTO_GROUPED_MIN_ASSIGNMENTS = 1024
+# padding blocks outweigh the saved work and the side-by-side dense execution is as fast: on the AVX-512
+# Xeon, n = 20, one instance x8 (168 assignments per device) grouped in blocks of 32 was 1.4 ms (se 0.4)
+# slower than dense of 10.8 ms. From 408 assignments on it was faster (whole calls, MVMoE/4E, session 25):
+# n = 50, one instance x8 (408) -1.8 ms (0.3) of 34; n = 50, two instances (816) -4.7 ms (0.4) of 64;
+# n = 100, one instance (808) -11.2 ms (2.6) of 141 (MVMoE/4E-L -5.7 ms (0.4) of 128); and a training
+# step at n = 50, batch 16 (816 per sort group) -0.45 ms (0.12) of 6.3 per decoding step. At an encoder
+# call of 816 tokens (1,632 assignments) the two tie in isolation, but the grouped one ran the whole
+# n = 50 inference workload 1.15-1.25x faster: the dense execution's (tokens, E x hidden) activations
+# (6.7 MB) push the rest of the encoder out of cache.
+AUTO_GROUPED_MIN_ASSIGNMENTS = 256
 
 
 def group_block(num_assignments: int) -> int:
     """Units per block of ``grouped_experts_forward`` for this many assignments (see GROUP_BLOCK)."""
+    if num_assignments < GROUP_BLOCK_SMALL_BELOW:
+        return GROUP_BLOCK_SMALL
     return GROUP_BLOCK_LARGE if num_assignments >= GROUP_BLOCK_LARGE_FROM else GROUP_BLOCK
 
 
