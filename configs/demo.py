@@ -2,7 +2,7 @@
 encoder (3 layers, D = 64) on n = 20, all six training variants, validated after every epoch on a fixed
 generated set (there is no paper test set at n = 20).
 
-    python train.py --config=configs/demo.py                 # ~3 minutes on 2 CPU cores
+    python train.py --config=configs/demo.py                 # 1-3 minutes on 2 CPU cores
     python train.py --config=configs/demo.py --config.epochs=20 --config.workdir=workdir_demo_long
 """
 
