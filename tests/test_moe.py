@@ -482,10 +482,13 @@ def test_auto_dispatch_groups_mlp_experts_on_cpu_only():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto groups the experts on a CPU only")
-def test_auto_dispatch_gives_the_dense_result_with_the_grouped_execution():
-    """A layer large enough for ``auto`` to group (and for the large blocks): the same outputs as dense, and
-    the grouped program is what runs (its blocks are a loop; dense has none)."""
-    tokens = M.GROUP_BLOCK_LARGE_FROM // 2 + 50
+@pytest.mark.parametrize("tokens, block", [(M.AUTO_GROUPED_MIN_ASSIGNMENTS // 2 + 50, M.GROUP_BLOCK_SMALL),
+                                           (M.GROUP_BLOCK_LARGE_FROM // 2 + 50, M.GROUP_BLOCK_LARGE)],
+                         ids=["small-blocks", "large-blocks"])
+def test_auto_dispatch_gives_the_dense_result_with_the_grouped_execution(tokens, block):
+    """Layers large enough for ``auto`` to group, in the small blocks and in the large ones: the same
+    outputs as dense, and the grouped program is what runs (its blocks are a loop; dense has none)."""
+    assert M.group_block(2 * tokens) == block                # top-2: two assignments per token
     x = rand_x((tokens, 8), seed=31)
     layers = {d: M.MoE(output_dim=5, hidden_dim=12, dispatch=d) for d in ("auto", "dense")}
     params = init_moe(layers["dense"], x, seed=3, gate_scale=1.0)

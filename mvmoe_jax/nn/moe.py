@@ -201,25 +201,22 @@ AUTO_DISPATCH = "auto"
 # the padding (< one block per expert) stays a small fraction of the work. Measured on one core of a
 # 2-core x86 CPU, MLP experts 128 -> 512 -> 128, top-2 of 4: blocks of 128 were fastest up to ~1,600
 # tokens, 256 from ~3,300 tokens on (58 against 64 ms at 6,528 tokens). Below 1,024 assignments the
-# padding dominates and blocks of 32 won on a 2-core AVX-512 Xeon (session 25, whole inference calls,
-# MVMoE/4E): at 808 assignments (one n = 100 instance, x8, per device) 32 beat 64 by 2.7 ms (se 0.6) and
-# 64 beat 128 by 5.8 ms (2.0) of ~135; 16 was 1.3 ms (0.8) slower than 32. At 1,632 (n = 50, batch 64)
-# blocks of 32, 64 and 128 tied within 1%.
+# padding dominates: on a 2-core AVX-512 Xeon, whole MVMoE/4E inference calls at 808 assignments per
+# device (one n = 100 instance x8) ran fastest in blocks of 32 (64: +2.7 ms, 128: +8.5 ms, 16: +1.3 ms of
+# ~131); at 1,632 (n = 50, batch 64) 32, 64 and 128 tied. Figures: docs/performance-log.md, "Small MoE
+# layers grouped".
 GROUP_BLOCK_SMALL = 32
 GROUP_BLOCK_SMALL_BELOW = 1024         # assignments (tokens x k)
 GROUP_BLOCK = 128
 GROUP_BLOCK_LARGE = 256
 GROUP_BLOCK_LARGE_FROM = 6144          # assignments (tokens x k)
 # From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
-# padding blocks outweigh the saved work and the side-by-side dense execution is as fast: on the AVX-512
-# Xeon, n = 20, one instance x8 (168 assignments per device) grouped in blocks of 32 was 1.4 ms (se 0.4)
-# slower than dense of 10.8 ms. From 408 assignments on it was faster (whole calls, MVMoE/4E, session 25):
-# n = 50, one instance x8 (408) -1.8 ms (0.3) of 34; n = 50, two instances (816) -4.7 ms (0.4) of 64;
-# n = 100, one instance (808) -11.2 ms (2.6) of 141 (MVMoE/4E-L -5.7 ms (0.4) of 128); and a training
-# step at n = 50, batch 16 (816 per sort group) -0.45 ms (0.12) of 6.3 per decoding step. At an encoder
-# call of 816 tokens (1,632 assignments) the two tie in isolation, but the grouped one ran the whole
-# n = 50 inference workload 1.15-1.25x faster: the dense execution's (tokens, E x hidden) activations
-# (6.7 MB) push the rest of the encoder out of cache.
+# padding blocks outweigh the saved work: on the same Xeon one n = 20 instance x8 (168 assignments per
+# device) was 1.4 ms slower grouped than dense (of 10.8), while from 408 on grouping won (n = 100, one
+# instance: -11 ms of 141; a training step at n = 50, batch 16: -7%). At an encoder call of 816 tokens
+# (1,632 assignments) the two tie in isolation, but the grouped one ran the whole n = 50 inference
+# workload 1.15-1.25x faster: the dense execution's (tokens, E x hidden) activations (6.7 MB) push the
+# rest of the encoder out of cache.
 AUTO_GROUPED_MIN_ASSIGNMENTS = 256
 
 
