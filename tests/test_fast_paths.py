@@ -391,8 +391,7 @@ def test_attention_gradients_equal_autodiff_either_way_of_writing_the_products(m
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("by_slices", [True, False])
-def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch, by_slices):
+def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch):
     """The decoder's head merge by concatenated slices (``attention.merge_heads_by_slices``, chosen on a
     CPU) builds the very array the transpose does, and the attention from given scores is bitwise the same
     either way, weights included; both equal plain masked softmax attention."""
@@ -406,11 +405,12 @@ def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch, by_
     score = jnp.asarray(rng.standard_normal((b, h, m, n)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
     mask = jnp.asarray(rng.random((b, m, n)) < 0.6).at[:, :, 0].set(True)
-    monkeypatch.setattr(attention, "MERGE_BY_SLICES", not by_slices)
-    other_out, other_weights = jax.jit(lambda s, v: attention.attention_from_scores(s, v, mask, True))(score, v)
-    monkeypatch.setattr(attention, "MERGE_BY_SLICES", by_slices)
-    assert attention.merges_by_slices() is by_slices
-    out, weights = jax.jit(lambda s, v: attention.attention_from_scores(s, v, mask, True))(score, v)
+    results = {}
+    for by_slices in (True, False):
+        monkeypatch.setattr(attention, "MERGE_BY_SLICES", by_slices)
+        assert attention.merges_by_slices() is by_slices
+        results[by_slices] = jax.jit(lambda s, v: attention.attention_from_scores(s, v, mask, True))(score, v)
+    (out, weights), (other_out, other_weights) = results[True], results[False]
     np.testing.assert_array_equal(out, other_out)
     np.testing.assert_array_equal(weights, other_weights)
     plain = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)
