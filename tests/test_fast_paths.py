@@ -333,6 +333,89 @@ def test_greedy_rollout_without_log_likelihood_decodes_the_same_tours():
         rollout.rollout(policy, params, inst, pomo_size=N, decode_type="sampling", log_likelihood=False)
 
 
+def test_bounded_softmax_equals_the_softmax_also_when_a_bound_fails(monkeypatch):
+    """``attention_from_bounded_scores`` with any upper bound up to ~46 above each row's maximum gives
+    ``attention_from_scores``'s output; so it does when one row's bound lies so far above its scores that its
+    exponentials underflow, by the fallback branch, which then calls for the scores a second time."""
+    from mvmoe_jax.nn import attention
+    rng = np.random.default_rng(17)
+    b, h, m, n, d = 2, 4, 6, 9, 5
+    score = jnp.asarray(rng.standard_normal((b, h, m, n)) * 5, jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.6).at[:, :, 0].set(True)
+    row_max = jnp.max(jnp.where(mask[:, None], score, -jnp.inf), axis=-1, keepdims=True)
+    bound = row_max + jnp.asarray(rng.uniform(0, 40, row_max.shape), jnp.float32)
+    want = attention.attention_from_scores(score, v, mask)
+    def bounded(s, v, bound):               # traced anew at each call
+        return jax.jit(lambda s, v, bound: attention.attention_from_bounded_scores(lambda: s, v, mask, bound))(
+            s, v, bound)
+
+    np.testing.assert_allclose(bounded(score, v, bound), want, rtol=2e-5, atol=2e-6)
+
+    loose = bound.at[1, 2, 3, 0].add(100.0)              # batch 1, head 2, query 3: e^-100 underflows
+    got = bounded(score, v, loose)
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    # Without the fallback that row would be NaN (0 / 0): what the branch repairs.
+    monkeypatch.setattr(jax.lax, "switch", lambda index, branches: branches[0]())
+    assert np.all(np.isnan(np.asarray(bounded(score, v, loose)[1, 3, 2 * d:3 * d])))
+
+
+@pytest.mark.parametrize("model", ["pomo_mtl", "mvmoe"])
+def test_score_bound_bounds_every_score_of_a_step(model):
+    """``Policy.score_bound`` is at least every node's attention score in the query fusion's form
+    (``node_scores[current] + sum_f dynamic_f feature_scores[f]``), for dynamic features of either sign, and
+    the row's maximum itself when the dynamic features are zero."""
+    cfg = small_config(model)
+    params = perturbed_params(cfg, seed=4)
+    inst = mixed_batch(8, seed=5)
+    policy = Policy(cfg)
+    emb, _ = rollout.encode_nodes(policy, params, inst, jax.random.key(0))
+    cache = policy.apply(params, emb, method=Policy.precompute)
+    current = jax.random.randint(jax.random.key(1), (8, N), 0, N + 1)
+    dynamic = jax.random.normal(jax.random.key(2), (8, N, 4)) * 2
+    bound = policy.apply(params, cache, current, dynamic, method=Policy.score_bound)            # (B, H, P, 1)
+    rows = jax.vmap(lambda table, cur: table[:, cur, :])(cache.node_scores, current)             # (B, H, P, N)
+    scores = rows + jnp.einsum("bpf,bhfn->bhpn", dynamic, cache.feature_scores)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    assert bound.shape == top.shape
+    assert np.all(np.asarray(bound) >= np.asarray(top) - 1e-4)
+    # Without dynamic features the bound is the row's maximum itself.
+    tight = policy.apply(params, cache, current, jnp.zeros_like(dynamic), method=Policy.score_bound)
+    np.testing.assert_allclose(tight, jnp.max(rows, axis=-1, keepdims=True), rtol=1e-6)
+
+
+@pytest.mark.parametrize("model", ["pomo_mtl", "mvmoe_light"])
+def test_rollouts_with_failing_score_bounds_decode_as_without_them(monkeypatch, model):
+    """Greedy and sampled rollouts decode the same tours with the softmax score bounds as without, also when
+    every bound fails (each raised by 200, so that every exponential underflows and every step takes the
+    fallback)."""
+    cfg = small_config(model)
+    params, inst = perturbed_params(cfg, seed=8), mixed_batch(8, seed=6)
+    policy = Policy(cfg)
+
+    def run(drop_bounds, decode_type):
+        def go(p, i):
+            cache, aux = rollout.encode(policy, p, i, jax.random.key(2))
+            assert cache.node_score_max is not None
+            if drop_bounds:
+                cache = cache.replace(node_score_max=None, feature_score_range=None)
+            return rollout.rollout(policy, p, i, pomo_size=N, decode_type=decode_type, rng=jax.random.key(2),
+                                   encoded=(cache, aux))
+        return jax.jit(go)(params, inst)
+
+    for decode_type in ("greedy", "sampling"):
+        exact, bounded = run(True, decode_type), run(False, decode_type)
+        score_bound = Policy.score_bound
+        monkeypatch.setattr(Policy, "score_bound", lambda self, *args: score_bound(self, *args) + 200.0)
+        failing = run(False, decode_type)
+        monkeypatch.undo()
+        for out in (bounded, failing):
+            np.testing.assert_array_equal(out.actions, exact.actions)
+            np.testing.assert_allclose(out.cost, exact.cost, rtol=1e-6)
+            np.testing.assert_allclose(out.log_likelihood, exact.log_likelihood, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("nodes,maps,padded", [(51, (1,), 64), (51, (4,), 52), (51, (1, 4), 64), (21, (5,), 32),
                                                (64, (1,), 64)])
 def test_readout_padding_makes_16_column_products(nodes, maps, padded):
