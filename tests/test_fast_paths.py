@@ -390,6 +390,8 @@ def test_rollouts_with_failing_score_bounds_decode_as_without_them(monkeypatch, 
     """Greedy and sampled rollouts decode the same tours with the softmax score bounds as without, also when
     every bound fails (each raised by 200, so that every exponential underflows and every step takes the
     fallback)."""
+    from mvmoe_jax.nn import policy as policy_lib
+    monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", True)      # 8 instances at once: auto would not use them
     cfg = small_config(model)
     params, inst = perturbed_params(cfg, seed=8), mixed_batch(8, seed=6)
     policy = Policy(cfg)
@@ -409,11 +411,24 @@ def test_rollouts_with_failing_score_bounds_decode_as_without_them(monkeypatch, 
         score_bound = Policy.score_bound
         monkeypatch.setattr(Policy, "score_bound", lambda self, *args: score_bound(self, *args) + 200.0)
         failing = run(False, decode_type)
-        monkeypatch.undo()
+        monkeypatch.setattr(Policy, "score_bound", score_bound)
         for out in (bounded, failing):
             np.testing.assert_array_equal(out.actions, exact.actions)
             np.testing.assert_allclose(out.cost, exact.cost, rtol=1e-6)
             np.testing.assert_allclose(out.log_likelihood, exact.log_likelihood, rtol=1e-4, atol=1e-4)
+
+
+def test_score_bounds_are_used_for_single_instances_on_a_cpu_by_default(monkeypatch):
+    """``uses_score_bounds``: on a CPU, one instance at a time and no MVMoE-L gate; ``SCORE_BOUNDS`` overrides."""
+    from mvmoe_jax.nn import policy as policy_lib
+    monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", None)
+    cpu = jax.default_backend() == "cpu"
+    assert policy_lib.uses_score_bounds(small_config("mvmoe"), 1) is cpu
+    assert policy_lib.uses_score_bounds(small_config("pomo_mtl"), 1) is cpu
+    assert not policy_lib.uses_score_bounds(small_config("mvmoe"), 16)
+    assert not policy_lib.uses_score_bounds(small_config("mvmoe_light"), 1)
+    monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", True)
+    assert policy_lib.uses_score_bounds(small_config("mvmoe_light"), 16)
 
 
 @pytest.mark.parametrize("nodes,maps,padded", [(51, (1,), 64), (51, (4,), 52), (51, (1, 4), 64), (21, (5,), 32),

@@ -50,6 +50,24 @@ def test_per_instance_parity(torch_fixtures, evaluations, name):
         assert ours[variant]["gap"] is None            # the fixture datasets have no reference solutions
 
 
+def test_per_instance_parity_with_score_bounds(torch_fixtures, monkeypatch):
+    """The same with every decoding step's softmax offset by the query fusion's score bounds
+    (``policy.SCORE_BOUNDS``; by default only chunks of one instance on a CPU use them, and these hold 100)."""
+    from mvmoe_jax import rollout
+    from mvmoe_jax.nn import policy
+    monkeypatch.setattr(policy, "SCORE_BOUNDS", True)
+    rollout._greedy_evaluate.clear_cache()                 # traced without the bounds by the tests above
+    try:
+        ours = cli.run_evaluation(CONFIGS["moe"].get_config(), _flags(torch_fixtures, "moe"))
+    finally:
+        rollout._greedy_evaluate.clear_cache()
+    ref = json.loads((torch_fixtures / "results" / "moe.json").read_text())
+    for variant in problems.VARIANT_NAMES:
+        for key, ref_key in (("obj", "aug"), ("obj_no_aug", "no_aug")):
+            a, b = np.array(ours[variant][key]), np.array(ref[variant][ref_key])
+            assert (np.abs(a - b) / b < 1e-4).mean() >= 0.98, f"moe {variant} {key} with the score bounds"
+
+
 def test_light_model_means(torch_fixtures, evaluations):
     """MVMoE-L samples its dense-or-sparse gate at every step, in evaluation too: compare means."""
     ours = evaluations("moe_light")

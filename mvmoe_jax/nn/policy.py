@@ -142,6 +142,27 @@ def padded_readout_nodes(num_nodes: int, map_counts: tuple[int, ...]) -> int:
     return padded
 
 
+# Whether inference's decoding steps offset their softmax by the query fusion's score bounds (``Policy.score_bound``)
+# rather than by the maximum: True, False, or None for ``uses_score_bounds``'s choice. Read at trace time.
+SCORE_BOUNDS: bool | None = None
+
+
+def uses_score_bounds(cfg: PolicyConfig, num_instances: int) -> bool:
+    """Whether a forward decoding step over ``num_instances`` instances with the query fusion offsets its softmax
+    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time and a model without
+    MVMoE-L's gate, where it measured faster. Measured on the 2-core AVX-512 Xeon (2026-11-29), the same programs
+    with and without the bounds, calls alternating, identical tours:
+    - one instance of n = 100 solved greedily x8 (chunks of one instance): POMO-MTL -5.8 ms (standard error 1.2)
+      of 90, MVMoE/4E -4.7 ms (1.4) of 134, MVMoE/4E-L +0.8 ms (1.6) of 122;
+    - 64 instances of n = 50 (chunks of 16): POMO-MTL -4.3 ms (1.3) of 1.21 s, MVMoE/4E +23 ms (6) of 1.89 s,
+      MVMoE/4E-L +67 ms (7) of 1.87 s. There YNNPACK runs the maximum, the exponentials, the value product and the
+      normalisation as one kernel, which the bounded loop's exponentials break up.
+    Accelerators keep the maximum, the form their figures were measured with."""
+    if SCORE_BOUNDS is not None:
+        return SCORE_BOUNDS
+    return jax.default_backend() == "cpu" and num_instances == 1 and not cfg.hierarchical
+
+
 def decoder_record_floats(cfg: PolicyConfig, num_nodes: int) -> int:
     """float32 values per trajectory in one step's ``DecoderRecord``: H x N attention weights, the D-wide
     attention output and the widest group's padded per-map readout scores."""
@@ -543,7 +564,7 @@ class Policy(nn.Module):
                 if keep_weights:
                     return attention_from_scores(self.fused_query_scores(cache, current, dynamic), cache.values,
                                                  mask, with_weights=True)
-                if cache.node_score_max is None:
+                if cache.node_score_max is None or not uses_score_bounds(cfg, current.shape[0]):
                     return attention_from_scores(self.fused_query_scores(cache, current, dynamic), cache.values,
                                                  mask), None
                 return attention_from_bounded_scores(lambda: self.fused_query_scores(cache, current, dynamic),
@@ -586,14 +607,11 @@ class Policy(nn.Module):
     def score_bound(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array) -> jax.Array:
         """(B, H, P, 1): an upper bound on each step's largest attention score with the query fusion,
         ``node_score_max[current] + sum_f max(dynamic_f * min_f, dynamic_f * max_f)`` (see DecoderCache), which
-        ``attention_from_bounded_scores`` offsets the softmax by (inference and evaluation's sampling; training's
-        sampling pass keeps its softmax weights and takes the maximum). Measured on the 2-core AVX-512 Xeon
-        (2026-11-29), the same programs with and without the bounds, calls alternating, identical tours: one
-        instance of n = 100 solved greedily x8, POMO-MTL -5.8 ms (standard error 1.2) of 90, MVMoE/4E -4.7 ms
-        (1.4) of 134, MVMoE/4E-L -1.6 ms (2.6) of 127; 64 instances of n = 50, POMO-MTL -19 ms (7) of 1.22 s.
-        With the briefly trained reference checkpoints no bound lay more than 46 above its row's maximum
-        (``MIN_BOUNDED_ROW_TOTAL``) over 32 instances of each of the 16 variants at n = 50 and 100, though
-        some lay more than 20 above it."""
+        ``attention_from_bounded_scores`` offsets the softmax by where ``uses_score_bounds`` (forward steps that
+        keep no softmax weights: inference and evaluation's sampling, not training's sampling pass). With the
+        briefly trained reference checkpoints no bound lay more than 46 above its row's maximum
+        (``MIN_BOUNDED_ROW_TOTAL``) over 32 instances of each of the 16 variants at n = 50 and 100, though some
+        lay more than 20 above it."""
         bound = jax.vmap(lambda table, cur: table[:, cur])(cache.node_score_max, current.astype(jnp.int32))
         dyn = dynamic.astype(jnp.float32)
         for f in range(dyn.shape[-1]):
