@@ -560,17 +560,15 @@ class Policy(nn.Module):
         cfg = self.cfg
         given_scores = None
         if cache.node_scores is not None and given is None:
+            scores = lambda: self.fused_query_scores(cache, current, dynamic)      # the query fusion
             if cache.node_queries is None:
                 if keep_weights:
-                    return attention_from_scores(self.fused_query_scores(cache, current, dynamic), cache.values,
-                                                 mask, with_weights=True)
-                if cache.node_score_max is None or not uses_score_bounds(cfg, current.shape[0]):
-                    return attention_from_scores(self.fused_query_scores(cache, current, dynamic), cache.values,
-                                                 mask), None
-                return attention_from_bounded_scores(lambda: self.fused_query_scores(cache, current, dynamic),
-                                                     cache.values, mask,
-                                                     self.score_bound(cache, current, dynamic)), None
-            given_scores = self.fused_query_scores(cache, current, dynamic)
+                    return attention_from_scores(scores(), cache.values, mask, with_weights=True)
+                if cache.node_score_max is not None and uses_score_bounds(cfg, current.shape[0]):
+                    bound = self.score_bound(cache, current, dynamic)
+                    return attention_from_bounded_scores(scores, cache.values, mask, bound), None
+                return attention_from_scores(scores(), cache.values, mask), None
+            given_scores = scores()
         current = current[..., None].astype(jnp.int32)
         if cache.node_queries is not None:
             # The hoisted projection: the node part's row plus the dynamic features' part.
