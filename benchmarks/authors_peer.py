@@ -94,12 +94,22 @@ def _checkout(code_path) -> pathlib.Path:
 
 
 def _git_commit(path: pathlib.Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """The commit checked out at ``path``; None unless ``path`` is itself the root of a git repository.
+
+    A copy without its .git (as benchmarks/gpu_prepare.sh makes) inside another repository would otherwise
+    report that repository's commit as the authors'.
+    """
+    def git(*args):
+        try:
+            out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or pathlib.Path(top).resolve() != pathlib.Path(path).resolve():
         return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    return git("rev-parse", "HEAD")
 
 
 def _load_average() -> float | None:

@@ -167,6 +167,34 @@ def test_authors_peer_rejects_a_folder_that_is_not_the_authors_code(tmp_path):
         authors_peer.authors_infer("mvmoe", np.zeros((1, 21, 2)), np.zeros((1, 21)), None)
 
 
+def test_authors_peer_reports_a_commit_only_for_the_checkout_itself(tmp_path):
+    """A copy of the authors' code without its .git, inside another repository (as gpu_prepare.sh makes
+    one), must not report the outer repository's commit as the authors'."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    authors_peer = _authors_peer()
+
+    def commit_in(repo):
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        subprocess.run(["git", "-C", str(repo), "commit", "-q", "--allow-empty", "-m", "x"], check=True, env=env)
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    outer = tmp_path / "outer"
+    copy = outer / ".gpu" / "Routing-MVMoE"
+    copy.mkdir(parents=True)
+    commit_in(outer)
+    assert authors_peer._git_commit(copy) is None
+    own = commit_in(copy)
+    assert authors_peer._git_commit(copy) == own
+    assert authors_peer._git_commit(tmp_path / "missing") is None
+
+
 def test_authors_peer_device_errors_name_the_problem():
     """--device: only cpu or cuda, and cuda only where torch sees a GPU (a stand-in torch without one)."""
     import types
