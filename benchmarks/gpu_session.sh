@@ -15,6 +15,7 @@
 #   4. the per-instance parity tests against the original implementation's greedy results, on this GPU
 #   5. POMO-MTL and MVMoE/4E-L, bfloat16, the MoE dispatch strategies, the replay backward, n = 50 batch 64
 #      and one instance of n = 100
+# ONLY=name,name,... runs just those steps (names as in the log, e.g. ONLY=infer_mvmoe_light,latency_n100).
 # Each step's JSON and log go to OUT_DIR/results.tgz (refreshed after every step), a summary to OUT_DIR/log.txt.
 # Needs: python3 with jax[cuda], flax, optax, orbax-checkpoint, chex, ml_collections, torch (for step 3); the
 # authors' checkout in AUTHORS (default .gpu/Routing-MVMoE) and the reference fixtures in
@@ -28,6 +29,7 @@ TRAIN_BATCHES=${TRAIN_BATCHES:-128,512,2048}
 AUTHORS=${AUTHORS:-.gpu/Routing-MVMoE}
 FIXTURES=${FIXTURES:-.gpu/torch-reference}
 DEADLINE_S=${DEADLINE_S:-540}
+ONLY=${ONLY:-}
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT_DIR"
@@ -41,6 +43,7 @@ say() { echo "$*" | tee -a "$LOG"; }
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi
   local left=$((DEADLINE_S - SECONDS))
   if [ "$left" -lt 25 ]; then say "=== $name: skipped (${left} s left)"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
