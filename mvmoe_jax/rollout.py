@@ -116,10 +116,15 @@ def first_argmax(x: jax.Array) -> jax.Array:
     A max, then a min over the indices that reach it: two plain reductions, which XLA:CPU vectorises
     together with the elementwise work fused into them (the logit clipping's tanh), where argmax's
     two-operand reduction is not. Measured 1.9x faster on a greedy step's clipped (16, 50, 51) logits.
+    The indices are float32 (exact below 2**24): XLA:CPU splits an int32 min into several reduce-windows,
+    a float min is one vectorised reduction. On a 2-core Xeon (in-process A/B, same tours) the float form
+    took 1.6 ms (standard error 0.2) off POMO-MTL's 86 ms latency call (n = 100, one instance) and 14 ms (4)
+    off its 1.21 s at n = 50, batch 64.
     """
     top = jnp.max(x, axis=-1, keepdims=True)
-    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    index = jnp.arange(x.shape[-1], dtype=jnp.float32)
+    first = jnp.min(jnp.where(x == top, index, jnp.float32(x.shape[-1])), axis=-1)
+    return first.astype(jnp.int32)
 
 
 def encode_nodes(policy: Policy, params, inst: Instance, rng: jax.Array, train: bool = False

@@ -315,6 +315,10 @@ def test_first_argmax_agrees_with_argmax_on_ties_and_masked_nodes():
     rand = jnp.where(jax.random.uniform(jax.random.key(1), rand.shape) < 0.3, -jnp.inf, rand)
     np.testing.assert_array_equal(rollout.first_argmax(rand), jnp.argmax(rand, axis=-1))
     assert rollout.first_argmax(rand).dtype == jnp.int32
+    # A row with every node masked picks 0, as argmax; wide rows (indices held as floats) stay exact.
+    np.testing.assert_array_equal(rollout.first_argmax(jnp.full((2, 7), -jnp.inf)), [0, 0])
+    wide = jnp.round(jax.random.normal(jax.random.key(2), (8, 5001)) * 3)
+    np.testing.assert_array_equal(rollout.first_argmax(wide), jnp.argmax(wide, axis=-1))
 
 
 def test_greedy_rollout_without_log_likelihood_decodes_the_same_tours():
