@@ -319,6 +319,8 @@ def test_first_argmax_agrees_with_argmax_on_ties_and_masked_nodes():
     np.testing.assert_array_equal(rollout.first_argmax(jnp.full((2, 7), -jnp.inf)), [0, 0])
     wide = jnp.round(jax.random.normal(jax.random.key(2), (8, 5001)) * 3)
     np.testing.assert_array_equal(rollout.first_argmax(wide), jnp.argmax(wide, axis=-1))
+    flags = jnp.array([[False, True, True], [False, False, False], [True, False, True]])
+    np.testing.assert_array_equal(rollout.first_true(flags), [1, 3, 0])      # N where none
 
 
 def test_greedy_rollout_without_log_likelihood_decodes_the_same_tours():

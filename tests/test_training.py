@@ -265,6 +265,9 @@ def test_sampled_actions_follow_the_policy_and_never_take_a_masked_node():
         # 5 standard errors of a binomial frequency (and exact for the single feasible node).
         tol = 5 * np.sqrt(probs[row] * (1 - probs[row]) / draws) + 1e-12
         assert np.all(np.abs(freq - probs[row]) <= tol), (row, freq, probs[row])
+    # A row with nothing feasible (all -inf) draws node 0, as an argmax over no candidates would.
+    none = jnp.full((2, n), -jnp.inf)
+    np.testing.assert_array_equal(rollout.sample_actions(jax.random.key(2), none), [0, 0])
 
 
 def test_loss_matches_an_independent_recomputation_and_a_step_lowers_it(tmp_path):
