@@ -363,7 +363,7 @@ def test_bounded_softmax_equals_the_softmax_also_when_a_bound_fails(monkeypatch)
     assert np.all(np.isfinite(np.asarray(got)))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     # Without the fallback that row would be NaN (0 / 0): what the branch repairs.
-    monkeypatch.setattr(jax.lax, "switch", lambda index, branches: branches[0]())
+    monkeypatch.setattr(jax.lax, "switch", lambda index, branches, *operands: branches[0](*operands))
     assert np.all(np.isnan(np.asarray(bounded(score, v, loose)[1, 3, 2 * d:3 * d])))
 
 
