@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from mvmoe_jax import devices, env, instances, rollout, training
+from mvmoe_jax.nn import attention
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 N = 20
@@ -118,7 +119,8 @@ def test_hoisted_query_gives_the_plain_gradient(model, given):
                 *sampled, record = jax.lax.stop_gradient(policy.apply(
                     p, sampling_cache, states.current, dyn, mask, None, True, True, True, method=Policy.decode,
                     rngs={"gating": jax.random.key(3)}))
-                assert record.attention_weights.shape == mask.shape[:1] + (cfg.num_heads,) + mask.shape[1:]
+                weights_shape = mask.shape[:1] + (cfg.num_heads,) + mask.shape[1:]
+                assert attention.queries_major(record.attention_weights).shape == weights_shape
             logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, given=record,
                                           method=Policy.decode, rngs={"gating": jax.random.key(3)})
             recorded_logp = logp if record is None else sampled[0]
@@ -528,13 +530,16 @@ def test_heads_merge_by_slices_on_a_cpu_by_default(monkeypatch):
     assert attention.merges_by_slices() is (jax.default_backend() == "cpu")
 
 
+@pytest.mark.parametrize("keys_major", [True, False])
 @pytest.mark.parametrize("from_output", [True, False])
-def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_output):
+def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_output, keys_major):
     """The backward pass of the attention whose weights and output are given (training's decoding steps)
     gives autodiff's gradients of plain masked softmax attention, with the softmax backward's row sums
-    taken from the recorded output and its cotangent (``attention.output_row_sums``) or from the weights."""
+    taken from the recorded output and its cotangent (``attention.output_row_sums``) or from the weights,
+    the weights given keys-major or queries-major (``attention.keys_major_weights``)."""
     from mvmoe_jax.nn import attention
     monkeypatch.setattr(attention, "ROW_SUMS_FROM_OUTPUT", from_output)
+    monkeypatch.setattr(attention, "KEYS_MAJOR_WEIGHTS", keys_major)
     rng = np.random.default_rng(13)
     b, h, m, n, d = 2, 4, 5, 7, 3
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -548,7 +553,10 @@ def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_outp
 
     weights = plain(q, k, v)
     out = attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", weights, v))
-    given = lambda q, k, v: attention.attention_with_given_weights(q, k, v, weights, out)
+    kept = attention.kept_layout(weights)
+    assert kept.shape == ((b, h, n, m) if keys_major else (b, h, m, n))
+    np.testing.assert_array_equal(attention.queries_major(kept), weights)
+    given = lambda q, k, v: attention.attention_with_given_weights(q, k, v, kept, out)
     reference = lambda q, k, v: attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", plain(q, k, v), v))
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * cotangent_weights))
     got = jax.jit(jax.grad(loss(given), argnums=(0, 1, 2)))(q, k, v)

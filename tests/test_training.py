@@ -19,6 +19,7 @@ from conftest import REPO_ROOT
 from configs import demo
 from configs.common import model_config
 from mvmoe_jax import checkpoints, instances, rollout, training, training_loop, training_validation
+from mvmoe_jax.nn import attention
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 N = 20
@@ -141,11 +142,12 @@ def test_decoder_record_size_and_when_it_is_kept():
                                                                 record_decoder=True))(params, mixed_batch(), jax.random.key(3))
     recorded = sum(x.nbytes for x in jax.tree.leaves(traj.decoder))
     assert recorded == training.decoder_record_bytes(cfg, 8 * N, N + 1, 40)
-    assert traj.decoder.attention_weights.shape == (40, 8, cfg.num_heads, N, N + 1)
+    weights = attention.queries_major(traj.decoder.attention_weights)
+    assert weights.shape == (40, 8, cfg.num_heads, N, N + 1)
     # Unrun steps stay zero; run steps hold softmax weights (rows summing to one where a trajectory was active).
     t = int(traj.num_steps)
-    assert t < 40 and not np.asarray(traj.decoder.attention_weights[t:]).any()
-    sums = np.asarray(traj.decoder.attention_weights[:t].sum(-1))
+    assert t < 40 and not np.asarray(weights[t:]).any()
+    sums = np.asarray(weights[:t].sum(-1))
     np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
 
     def reuses(mode, platform="cpu", trajectories=8 * N, model_cfg=tiny_policy("mvmoe")):
