@@ -530,6 +530,26 @@ def test_heads_merge_by_slices_on_a_cpu_by_default(monkeypatch):
     assert attention.merges_by_slices() is (jax.default_backend() == "cpu")
 
 
+@pytest.mark.parametrize("against_transposes", [True, False])
+def test_recorded_weights_keys_major_where_transposed_operand_products_are_left_to_xla(monkeypatch,
+                                                                                        against_transposes):
+    """By default the record keeps the softmax weights keys-major exactly where the backward's products with a
+    transposed operand are left to XLA; ``attention_from_scores(..., with_weights=True)`` returns them in that
+    layout, the same weights either way."""
+    monkeypatch.setattr(attention, "PRODUCTS_AGAINST_TRANSPOSES", against_transposes)
+    monkeypatch.setattr(attention, "KEYS_MAJOR_WEIGHTS", None)
+    assert attention.keys_major_weights() is (not against_transposes)
+    rng = np.random.default_rng(17)
+    b, h, m, n, d = 2, 3, 4, 6, 5
+    score = jnp.asarray(rng.standard_normal((b, h, m, n)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.6).at[:, :, 0].set(True)
+    _, kept = attention.attention_from_scores(score, v, mask, with_weights=True)
+    assert kept.shape == ((b, h, m, n) if against_transposes else (b, h, n, m))
+    plain = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)
+    np.testing.assert_allclose(attention.queries_major(kept), plain, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("keys_major", [True, False])
 @pytest.mark.parametrize("from_output", [True, False])
 def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_output, keys_major):
