@@ -239,8 +239,9 @@ def kept_layout(weights: jax.Array) -> jax.Array:
 
 
 def queries_major(kept_weights: jax.Array) -> jax.Array:
-    """Recorded softmax weights (see ``keys_major_weights``) as (B, H, m, n)."""
-    return jnp.swapaxes(kept_weights, -1, -2) if keys_major_weights() else kept_weights
+    """Recorded softmax weights (see ``keys_major_weights``) as (B, H, m, n): ``kept_layout``'s inverse,
+    which is ``kept_layout`` itself (a swap of the last two axes, or nothing)."""
+    return kept_layout(kept_weights)
 
 
 def _attention_fwd(q, k, v, mask):

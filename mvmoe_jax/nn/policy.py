@@ -219,7 +219,7 @@ class DecoderRecord:
     ``given=``; see ``training.stepwise_gradients``).
 
     attention_weights: the softmax weights of the multi-head attention, float32, (B, H, N, P) or (B, H, P, N)
-      as the attention's backward pass keeps them (``attention.keys_major_weights``).
+      as records keep them (``attention.keys_major_weights``).
     attention: (B, P, D) its output, the combining projection's input.
     readout_scores: (B, P, X) the fused readout's per-map scores ``attn @ readout[m]`` of the group of maps
       the step applied, flattened (M_g * N_g) and zero-padded to the widest group's X (MVMoE-L's steps
