@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import struct
 
 from mvmoe_jax.instances import Instance
@@ -60,10 +61,25 @@ class State:
 
 def distance_matrix(locs: jax.Array) -> jax.Array:
     """(n+1, n+1) Euclidean distances, row i from node i, each computed as the reference does for one
-    move (``sqrt(sum((x_j - x_i)^2))`` in float32). A decoding step reads rows of it: recomputing the
-    distances from the current node at every step measured as one of the largest costs of a CPU decoding
-    step (a reduction over a minor axis of 2)."""
-    return jnp.sqrt(jnp.sum((locs[None, :, :] - locs[:, None, :]) ** 2, axis=-1))
+    move (``sqrt(dx^2 + dy^2)``, every operation rounded to float32). A decoding step reads rows of it:
+    recomputing the distances from the current node at every step measured as one of the largest costs of
+    a CPU decoding step.
+
+    Why not ``sqrt(sum(diff ** 2, axis=-1))`` or ``sqrt(dx * dx + dy * dy)``: XLA:CPU contracts a square
+    and the sum into a fused multiply-add wherever its own loop emitter compiles them (every size for the
+    second form, n = 20 for the first), which rounds once where the reference rounds twice (distances 1 ulp
+    off). The squares pass through an integer XOR with a zero that XLA and LLVM cannot see is zero
+    (``isnan`` of the first coordinate; validated instances have none), which keeps each one rounded:
+    bitwise the reference's at every size. It is also faster in isolation (5 against 68 us at n = 100 on
+    one Xeon core, where the first form's minor-axis reduction goes to YNNPACK), a tie inside a latency
+    call (in-process A/B, 40 calls: +0.07 ms, standard error 0.5, of 83)."""
+    x, y = locs[..., 0], locs[..., 1]
+    dx = x[..., None, :] - x[..., :, None]
+    dy = y[..., None, :] - y[..., :, None]
+    opaque_zero = jnp.isnan(locs[..., :1, :1]).astype(jnp.int32)
+    def rounded(v):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.int32) ^ opaque_zero, jnp.float32)
+    return jnp.sqrt(rounded(dx * dx) + rounded(dy * dy))
 
 
 def _initial(inst: Instance) -> State:

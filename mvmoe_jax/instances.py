@@ -91,6 +91,14 @@ def concatenate(batches: Sequence[Instance]) -> Instance:
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
 
 
+def _require_finite(**fields) -> None:
+    """Raises ValueError naming the first given field (None: not given) holding a NaN or an infinity: a
+    NaN coordinate would make every distance from its node NaN and the decoding silently meaningless."""
+    for name, value in fields.items():
+        if value is not None and not np.all(np.isfinite(np.asarray(value, np.float64))):
+            raise ValueError(f"{name} holds non-finite values (NaN or infinity)")
+
+
 def from_arrays(depot_xy, node_xy, demand, capacity, *, variant, route_limit=None, service_time=None,
                 tw_start=None, tw_end=None, depot_close=DEPOT_CLOSE) -> Instance:
     """Build a batched Instance from per-field numpy arrays with a leading batch axis.
@@ -110,6 +118,8 @@ def from_arrays(depot_xy, node_xy, demand, capacity, *, variant, route_limit=Non
     demand = np.asarray(demand, np.float64)
     if demand.shape != (bsz, n):
         raise ValueError(f"demand must have shape {(bsz, n)}, got {demand.shape}")
+    _require_finite(depot_xy=depot_xy, node_xy=node_xy, demand=demand, capacity=capacity,
+                    service_time=service_time, tw_start=tw_start, tw_end=tw_end)
     capacity = np.broadcast_to(np.asarray(capacity, np.float64), (bsz,))
     if np.any(capacity <= 0):
         raise ValueError("capacity must be positive")

@@ -113,8 +113,29 @@ def test_from_arrays_rejects_inconsistent_input():
         _single("VRPTW", LINE, [1, 1, 1])
     with pytest.raises(ValueError, match="needs a route_limit"):
         _single("VRPL", LINE, [1, 1, 1])
+    with pytest.raises(ValueError, match="node_xy holds non-finite"):
+        _single("CVRP", [[0, 0], [0.3, np.nan], [0.6, 0], [0.9, 0]], [1, 1, 1])
+    with pytest.raises(ValueError, match="depot_xy holds non-finite"):
+        _single("CVRP", [[np.inf, 0], [0.3, 0], [0.6, 0], [0.9, 0]], [1, 1, 1])
+    with pytest.raises(ValueError, match="demand holds non-finite"):
+        _single("CVRP", LINE, [1, np.nan, 1])
+    with pytest.raises(ValueError, match="tw_end holds non-finite"):
+        _single("VRPTW", LINE, [1, 1, 1], service_time=[0.1] * 3, tw_start=[0.0] * 3, tw_end=[1.0, np.nan, 1.0])
 
 
 def test_actions_to_route_round_trip():
     assert checker.actions_to_route([3, 1, 0, 2, 0, 0, 0]) == [3, 1, 0, 2]
     assert checker.split_subtours([3, 1, 0, 2]) == [[3, 1], [2]]
+
+
+@pytest.mark.parametrize("num_nodes", [21, 51, 101])
+def test_distance_matrix_rounds_like_the_reference(num_nodes):
+    """Every distance is sqrt(dx*dx + dy*dy) with each operation rounded to float32, as the reference
+    computes one move (numpy's float32 arithmetic, no fused multiply-add), bit for bit, at the sizes
+    XLA:CPU compiles differently; batched input gives the same matrices."""
+    locs = np.asarray(jax.random.uniform(jax.random.key(num_nodes), (3, num_nodes, 2)), np.float32)
+    diff = locs[:, None, :, :] - locs[:, :, None, :]
+    squares = diff * diff
+    expected = np.sqrt(squares[..., 0] + squares[..., 1])
+    np.testing.assert_array_equal(np.asarray(jax.jit(env.distance_matrix)(locs[0])), expected[0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(env.distance_matrix)(locs)), expected)
