@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shlex
 
 import jax
@@ -159,6 +160,16 @@ def test_npz_mismatched_field(tmp_path, field, bad, problem):
     arrays[field] = bad(arrays[field])
     _write_fields(tmp_path / "x.npz", arrays)
     with pytest.raises(ValueError, match=f"'{field}'.*{problem}"):
+        load_npz(tmp_path / "x.npz")
+
+
+@pytest.mark.parametrize("field, index", [("locs", (1, 5, 0)), ("tw_end", (2, 3)), ("route_limit", (0,))])
+def test_npz_rejects_nan(tmp_path, field, index):
+    arrays = _valid_arrays()
+    arrays[field] = arrays[field].copy()
+    arrays[field][index] = np.nan
+    _write_fields(tmp_path / "x.npz", arrays)
+    with pytest.raises(ValueError, match=f"'{field}' holds non-finite values \\(first at index {re.escape(str(index))}"):
         load_npz(tmp_path / "x.npz")
 
 

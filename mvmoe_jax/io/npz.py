@@ -51,7 +51,8 @@ if set(FIELDS) != set(_SPEC):
 
 
 def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
-    """Every field present, with its dtype, and shapes consistent with one batch size and node count."""
+    """Every field present, with its dtype, shapes consistent with one batch size and node count, and
+    finite float values (route_limit may be +inf: no limit)."""
     missing = [f for f in FIELDS if f not in arrays]
     if missing:
         raise ValueError(f"{source}: missing Instance field(s) {missing}")
@@ -69,6 +70,11 @@ def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
         if arr.shape != want:
             raise ValueError(f"{source}: field {name!r} has shape {arr.shape}, expected {want} "
                              f"(batch {batch}, {nodes} nodes, from 'locs')")
+        # +inf is how an instance without a duration limit stores its route_limit; NaN is never valid.
+        bad = np.isnan(arr) if name == "route_limit" else ~np.isfinite(arr) if arr.dtype.kind == "f" else None
+        if bad is not None and bad.any():
+            raise ValueError(f"{source}: field {name!r} holds non-finite values (first at index "
+                             f"{tuple(int(i) for i in np.argwhere(bad)[0])})")
 
 
 class _NotAnArchive(Exception):
