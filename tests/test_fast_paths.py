@@ -383,8 +383,9 @@ def test_score_bound_bounds_every_score_of_a_step(model):
     current = jax.random.randint(jax.random.key(1), (8, N), 0, N + 1)
     dynamic = jax.random.normal(jax.random.key(2), (8, N, 4)) * 2
     bound = policy.apply(params, cache, current, dynamic, method=Policy.score_bound)            # (B, H, P, 1)
-    rows = jax.vmap(lambda table, cur: table[:, cur, :])(cache.node_scores, current)             # (B, H, P, N)
-    scores = rows + jnp.einsum("bpf,bhfn->bhpn", dynamic, cache.feature_scores)
+    nodes = N + 1                                                   # the tables' padding columns left out
+    rows = jax.vmap(lambda table, cur: table[:, cur, :nodes])(cache.node_scores, current)        # (B, H, P, N)
+    scores = rows + jnp.einsum("bpf,bhfn->bhpn", dynamic, cache.feature_scores[..., :nodes])
     top = jnp.max(scores, axis=-1, keepdims=True)
     assert bound.shape == top.shape
     assert np.all(np.asarray(bound) >= np.asarray(top) - 1e-4)
@@ -588,3 +589,59 @@ def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_outp
     d_weights = jnp.einsum("bhmd,bhnd->bhmn", g_split, v)
     np.testing.assert_allclose(attention.output_row_sums(jnp.cos(out) * cotangent_weights, out, h),
                                jnp.sum(d_weights * weights, axis=-1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+def test_query_table_width_rounds_up_to_the_multiple(monkeypatch):
+    from mvmoe_jax.nn import policy as policy_lib
+    sizes = (21, 51, 101, 104, 121, 128, 129, 201)
+    padded = (24, 56, 104, 104, 128, 128, 129, 201) if jax.default_backend() == "cpu" else sizes
+    assert tuple(policy_lib.query_table_width(n) for n in sizes) == padded
+    monkeypatch.setattr(policy_lib, "QUERY_TABLE_COLUMN_MULTIPLE", 16)
+    assert (policy_lib.query_table_width(101), policy_lib.query_table_width(201)) == (112, 208)
+    monkeypatch.setattr(policy_lib, "QUERY_TABLE_COLUMN_MULTIPLE", 0)
+    with pytest.raises(ValueError, match="QUERY_TABLE_COLUMN_MULTIPLE"):
+        policy_lib.query_table_width(101)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_padded_query_tables_decode_as_unpadded(monkeypatch, model):
+    """The forward-only cache's score tables and values widened to 24 columns (21 nodes; masked padding)
+    give the log-probabilities and greedy choices of the N-wide ones (to float32 rounding: the row sums and
+    value products add the same terms in another order), with the softmax offset by the score bounds and by
+    the maximum; a step that keeps its record takes N-wide scores from the padded tables and records the same
+    weights bitwise; training's tables stay N wide."""
+    from mvmoe_jax.nn import policy as policy_lib
+    cfg = small_config(model)
+    params = perturbed_params(cfg, seed=6)
+    inst = mixed_batch(8, seed=3)
+    policy = Policy(cfg)
+    states, mask, dyn = states_two_moves_in(inst)
+    emb, _ = rollout.encode_nodes(policy, params, inst, jax.random.key(0))
+
+    def cache_with(multiple):
+        monkeypatch.setattr(policy_lib, "QUERY_TABLE_COLUMN_MULTIPLE", multiple)
+        return policy.apply(params, emb, method=Policy.precompute)
+
+    plain, padded = cache_with(1), cache_with(8)
+    assert plain.padded_values is None and plain.node_scores.shape[-1] == N + 1
+    assert padded.node_scores.shape[-1] == padded.feature_scores.shape[-1] == padded.padded_values.shape[-2] == 24
+    np.testing.assert_array_equal(padded.padded_values[..., :N + 1, :], plain.values)
+    assert not np.any(np.asarray(padded.padded_values[..., N + 1:, :]))
+    np.testing.assert_array_equal(padded.node_scores[..., :N + 1], plain.node_scores)
+    training_tables = policy.apply(params, plain, method=Policy.with_query_scores)
+    assert training_tables.padded_values is None and training_tables.node_scores.shape[-1] == N + 1
+
+    def decode(cache, *flags):
+        return policy.apply(params, cache, states.current, dyn, mask, None, False, *flags, method=Policy.decode,
+                            rngs={"gating": jax.random.key(3)})
+
+    for bounds in ([True, False] if not cfg.hierarchical else [False]):
+        monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", bounds)
+        got, want = np.asarray(decode(padded)[0]), np.asarray(decode(plain)[0])
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=3e-6)
+        np.testing.assert_array_equal(rollout.first_argmax(jnp.asarray(got)), rollout.first_argmax(jnp.asarray(want)))
+    with_record = [decode(c, True, True) for c in (padded, plain)]
+    np.testing.assert_array_equal(with_record[0][0], with_record[1][0])
+    np.testing.assert_array_equal(with_record[0][3].attention_weights, with_record[1][3].attention_weights)
