@@ -645,3 +645,26 @@ def test_padded_query_tables_decode_as_unpadded(monkeypatch, model):
     with_record = [decode(c, True, True) for c in (padded, plain)]
     np.testing.assert_array_equal(with_record[0][0], with_record[1][0])
     np.testing.assert_array_equal(with_record[0][3].attention_weights, with_record[1][3].attention_weights)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_first_step_in_the_loop_decodes_as_the_peeled_one(model):
+    """A rollout that keeps no record runs its first decoding step inside the loop (MVMoE-L: when given its gate
+    probabilities); one that keeps a record peels it off. Both sample the same tours with the same
+    log-likelihoods, auxiliary loss and step count."""
+    cfg = small_config(model)
+    params, inst = perturbed_params(cfg, seed=9), mixed_batch(8, seed=7)
+    policy = Policy(cfg)
+    probs = jnp.asarray([0.3, 0.7], jnp.float32) if cfg.hierarchical else None
+
+    def run(record):
+        return jax.jit(lambda p, i: rollout.rollout(policy, p, i, pomo_size=N, decode_type="sampling",
+                                                    rng=jax.random.key(4), train=True, record=record,
+                                                    gate_probs=probs))(params, inst)
+
+    looped, peeled = run(False), run(True)
+    np.testing.assert_array_equal(looped.actions, peeled.actions)
+    np.testing.assert_array_equal(looped.log_likelihood, peeled.log_likelihood)
+    np.testing.assert_array_equal(looped.cost, peeled.cost)
+    assert int(looped.num_steps) == int(peeled.num_steps)
+    assert float(looped.aux_loss) == pytest.approx(float(peeled.aux_loss), rel=1e-6, abs=1e-9)
