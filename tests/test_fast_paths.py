@@ -428,16 +428,16 @@ def test_rollouts_with_failing_score_bounds_decode_as_without_them(monkeypatch, 
 
 
 def test_score_bounds_are_used_for_single_instances_on_a_cpu_by_default(monkeypatch):
-    """``uses_score_bounds``: on a CPU, one instance at a time and no MVMoE-L gate; ``SCORE_BOUNDS`` overrides."""
+    """``uses_score_bounds``: on a CPU, one instance at a time; ``SCORE_BOUNDS`` overrides."""
     from mvmoe_jax.nn import policy as policy_lib
     monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", None)
     cpu = jax.default_backend() == "cpu"
-    assert policy_lib.uses_score_bounds(small_config("mvmoe"), 1) is cpu
-    assert policy_lib.uses_score_bounds(small_config("pomo_mtl"), 1) is cpu
-    assert not policy_lib.uses_score_bounds(small_config("mvmoe"), 16)
-    assert not policy_lib.uses_score_bounds(small_config("mvmoe_light"), 1)
+    assert policy_lib.uses_score_bounds(1) is cpu
+    assert not policy_lib.uses_score_bounds(16)
     monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", True)
-    assert policy_lib.uses_score_bounds(small_config("mvmoe_light"), 16)
+    assert policy_lib.uses_score_bounds(16)
+    monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", False)
+    assert not policy_lib.uses_score_bounds(1)
 
 
 @pytest.mark.parametrize("nodes,maps,padded", [(51, (1,), 64), (51, (4,), 52), (51, (1, 4), 64), (21, (5,), 32),
@@ -635,7 +635,7 @@ def test_padded_query_tables_decode_as_unpadded(monkeypatch, model):
         return policy.apply(params, cache, states.current, dyn, mask, None, False, *flags, method=Policy.decode,
                             rngs={"gating": jax.random.key(3)})
 
-    for bounds in ([True, False] if not cfg.hierarchical else [False]):
+    for bounds in (True, False):
         monkeypatch.setattr(policy_lib, "SCORE_BOUNDS", bounds)
         got, want = np.asarray(decode(padded)[0]), np.asarray(decode(plain)[0])
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))

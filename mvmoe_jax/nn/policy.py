@@ -147,20 +147,21 @@ def padded_readout_nodes(num_nodes: int, map_counts: tuple[int, ...]) -> int:
 SCORE_BOUNDS: bool | None = None
 
 
-def uses_score_bounds(cfg: PolicyConfig, num_instances: int) -> bool:
+def uses_score_bounds(num_instances: int) -> bool:
     """Whether a forward decoding step over ``num_instances`` instances with the query fusion offsets its softmax
-    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time and a model without
-    MVMoE-L's gate, where it measured faster. Measured on the 2-core AVX-512 Xeon (2026-11-29), the same programs
-    with and without the bounds, calls alternating, identical tours:
-    - one instance of n = 100 solved greedily x8 (chunks of one instance): POMO-MTL -5.8 ms (standard error 1.2)
-      of 90, MVMoE/4E -4.7 ms (1.4) of 134, MVMoE/4E-L +0.8 ms (1.6) of 122;
+    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time. Measured on the
+    2-core AVX-512 Xeon, the same programs with and without the bounds, calls alternating, identical tours:
+    - one instance of n = 100 solved greedily x8 (chunks of one instance; 2026-11-29): POMO-MTL -5.8 ms (standard
+      error 1.2) of 90, MVMoE/4E -4.7 ms (1.4) of 134, MVMoE/4E-L then +0.8 ms (1.6) of 122, a tie; with the score
+      tables padded to 104 columns (``query_table_width``; 2026-11-30) MVMoE/4E-L -6.2 ms (1.4) and -4.9 ms (0.6)
+      of 116, and at n = 200 -95 ms (11) of 786;
     - 64 instances of n = 50 (chunks of 16): POMO-MTL -4.3 ms (1.3) of 1.21 s, MVMoE/4E +23 ms (6) of 1.89 s,
       MVMoE/4E-L +67 ms (7) of 1.87 s. There YNNPACK runs the maximum, the exponentials, the value product and the
       normalisation as one kernel, which the bounded loop's exponentials break up.
     Accelerators keep the maximum, the form their figures were measured with."""
     if SCORE_BOUNDS is not None:
         return SCORE_BOUNDS
-    return jax.default_backend() == "cpu" and num_instances == 1 and not cfg.hierarchical
+    return jax.default_backend() == "cpu" and num_instances == 1
 
 
 # Column multiple of the query fusion's score tables in forward-only decoding (``query_table_width``): an int for
@@ -626,7 +627,7 @@ class Policy(nn.Module):
                     scores = lambda: self.fused_query_scores(cache, current, dynamic)
                     values = cache.padded_values
                     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, values.shape[-2] - num_nodes)))
-                if cache.node_score_max is not None and uses_score_bounds(cfg, current.shape[0]):
+                if cache.node_score_max is not None and uses_score_bounds(current.shape[0]):
                     bound = self.score_bound(cache, current, dynamic)
                     return attention_from_bounded_scores(scores, values, mask, bound), None
                 return attention_from_scores(scores(), values, mask), None
