@@ -85,9 +85,9 @@ def distance_matrix(locs: jax.Array) -> jax.Array:
 def _initial(inst: Instance) -> State:
     n1 = inst.locs.shape[-2]
     f32 = lambda v: jnp.asarray(v, jnp.float32)
-    return State(instance=inst, distances=distance_matrix(inst.locs), current=jnp.int32(0), load=f32(1.0), time=f32(0.0), length=f32(0.0),
-                 cost=f32(0.0), visited=jnp.zeros((n1,), bool), finished=jnp.asarray(False),
-                 num_steps=jnp.int32(-1))
+    return State(instance=inst, distances=distance_matrix(inst.locs), current=jnp.int32(0), load=f32(1.0),
+                 time=f32(0.0), length=f32(0.0), cost=f32(0.0), visited=jnp.zeros((n1,), bool),
+                 finished=jnp.asarray(False), num_steps=jnp.int32(-1))
 
 
 def reset(inst: Instance) -> State:

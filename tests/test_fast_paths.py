@@ -668,3 +668,21 @@ def test_first_step_in_the_loop_decodes_as_the_peeled_one(model):
     np.testing.assert_array_equal(looped.cost, peeled.cost)
     assert int(looped.num_steps) == int(peeled.num_steps)
     assert float(looped.aux_loss) == pytest.approx(float(peeled.aux_loss), rel=1e-6, abs=1e-9)
+
+
+def test_cache_without_query_fusion_projects_the_same_attention():
+    """``DecoderCache.without_query_fusion`` drops the tables, their bounds and padded values; the attention its
+    steps compute by projecting the query (as MVMoE-L's pooled gate does) is the tables' to float32 rounding."""
+    cfg = small_config("mvmoe_light")
+    params, inst = perturbed_params(cfg, seed=10), mixed_batch(8, seed=8)
+    policy = Policy(cfg)
+    states, mask, dyn = states_two_moves_in(inst)
+    emb, _ = rollout.encode_nodes(policy, params, inst, jax.random.key(0))
+    fused = policy.apply(params, emb, method=Policy.precompute)
+    projected = fused.without_query_fusion()
+    assert fused.node_scores is not None
+    assert all(getattr(projected, f) is None for f in ("node_scores", "feature_scores", "node_score_max",
+                                                      "feature_score_range", "padded_values"))
+    attn = [policy.apply(params, c, states.current, dyn, mask, method=Policy.decoder_attention)
+            for c in (fused, projected)]
+    np.testing.assert_allclose(attn[1], attn[0], rtol=1e-5, atol=1e-5)

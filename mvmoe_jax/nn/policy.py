@@ -256,6 +256,12 @@ class DecoderCache:
     feature_score_range: jax.Array | None = None
     padded_values: jax.Array | None = None
 
+    def without_query_fusion(self) -> "DecoderCache":
+        """This cache without the query fusion's tables (and their bounds and padded values): its steps then
+        project their query (``node_queries`` where present, else the plain projection)."""
+        return self.replace(node_scores=None, feature_scores=None, node_score_max=None, feature_score_range=None,
+                            padded_values=None)
+
 
 @struct.dataclass
 class DecoderRecord:
