@@ -71,8 +71,13 @@ def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
             raise ValueError(f"{source}: field {name!r} has shape {arr.shape}, expected {want} "
                              f"(batch {batch}, {nodes} nodes, from 'locs')")
         # +inf is how an instance without a duration limit stores its route_limit; NaN is never valid.
-        bad = np.isnan(arr) if name == "route_limit" else ~np.isfinite(arr) if arr.dtype.kind == "f" else None
-        if bad is not None and bad.any():
+        if name == "route_limit":
+            bad = np.isnan(arr)
+        elif arr.dtype.kind == "f":
+            bad = ~np.isfinite(arr)
+        else:
+            continue
+        if bad.any():
             raise ValueError(f"{source}: field {name!r} holds non-finite values (first at index "
                              f"{tuple(int(i) for i in np.argwhere(bad)[0])})")
 

@@ -622,15 +622,16 @@ class Policy(nn.Module):
         given_scores = None
         if cache.node_scores is not None and given is None:
             num_nodes = mask.shape[-1]
-            # The query fusion; N columns where the step keeps weights or differentiates (see DecoderCache).
-            scores = lambda: self.fused_query_scores(cache, current, dynamic, width=num_nodes)
+            # The query fusion: the padded tables whole in a forward-only step (their columns past N masked
+            # off), their first N columns where the step keeps weights or differentiates (see DecoderCache).
+            padded = cache.padded_values is not None and cache.node_queries is None and not keep_weights
+            width = None if padded else num_nodes
+            scores = lambda: self.fused_query_scores(cache, current, dynamic, width=width)
             if cache.node_queries is None:
                 if keep_weights:
                     return attention_from_scores(scores(), cache.values, mask, with_weights=True)
                 values = cache.values
-                if cache.padded_values is not None:
-                    # Forward only: the padded tables, their columns past N masked off.
-                    scores = lambda: self.fused_query_scores(cache, current, dynamic)
+                if padded:
                     values = cache.padded_values
                     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, values.shape[-2] - num_nodes)))
                 if cache.node_score_max is not None and uses_score_bounds(current.shape[0]):
