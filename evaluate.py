@@ -50,7 +50,7 @@ flags.DEFINE_bool("fused_readout", None, "Fold the node embeddings into the deco
                   "(default: the model's, on).")
 flags.DEFINE_bool("fused_query", None, "Precompute every possible decoder query's attention scores once per "
                   "batch (default: the model's, on).")
-flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~800 trajectories "
+flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~100 trajectories "
                      "on CPU, the whole batch on accelerators).")
 flags.DEFINE_integer("cpu_devices", 0, "On CPU, decode on this many JAX devices at once (0: one per core; "
                      "1: JAX's single device). Results do not depend on it.")
