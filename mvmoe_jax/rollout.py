@@ -294,7 +294,7 @@ CPU_TRAJECTORIES_PER_CHUNK = 100
 
 def default_chunk_size(pomo_size: int) -> int | None:
     """Instances per sequentially decoded chunk in ``greedy_evaluate``: on CPU about
-    ``CPU_TRAJECTORIES_PER_CHUNK`` trajectories (2 instances at n = 50, 5 at n = 20), one instance from 100 starts
+    ``CPU_TRAJECTORIES_PER_CHUNK`` trajectories (2 instances at n = 50, 5 at n = 20), one instance from 51 starts
     on; None (the whole batch at once) on accelerators, whose throughput grows with the batch."""
     if jax.default_backend() != "cpu":
         return None
