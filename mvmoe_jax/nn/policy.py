@@ -157,7 +157,9 @@ def uses_score_bounds(num_instances: int) -> bool:
       of 116, and at n = 200 -95 ms (11) of 786;
     - 64 instances of n = 50 (chunks of 16): POMO-MTL -4.3 ms (1.3) of 1.21 s, MVMoE/4E +23 ms (6) of 1.89 s,
       MVMoE/4E-L +67 ms (7) of 1.87 s. There YNNPACK runs the maximum, the exponentials, the value product and the
-      normalisation as one kernel, which the bounded loop's exponentials break up.
+      normalisation as one kernel, which the bounded loop's exponentials break up. In the chunks of two instances
+      that n = 50 has used since (``rollout.default_chunk_size``; CPU model 167, 2026-12-01): +11 ms (7) of 1.01 s,
+      +6 ms (10) of 1.64 s and +27 ms (36) of 1.74 s, ties, so the rule stays one instance.
     Accelerators keep the maximum, the form their figures were measured with."""
     if SCORE_BOUNDS is not None:
         return SCORE_BOUNDS
