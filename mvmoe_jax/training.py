@@ -8,7 +8,9 @@ the stepwise backward one program, ``sample_and_train_step``, whose encoder pass
 1. ``sample_trajectories`` (no gradient): ``rollout.rollout(..., decode_type='sampling', train=True,
    record=True)``, the inference rollout, which also records what the decoder saw at every step (the
    feasibility mask and the dynamic features; the current node is the previous action) and returns the
-   number of decoding steps the batch needed.
+   number of decoding steps the batch needed. On a CPU ``sample_and_train_step`` decodes each device's
+   instances a few at a time instead (``chunked_sampling``; same trajectories and record, see
+   ``sampling_chunk``).
 2. ``train_step`` (gradient), in one of two ways (``StepSettings.backward``); both re-run the decoder on
    the recorded inputs (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same
    MoE gating noise and MVMoE-L branch draws), so the log-likelihood they differentiate equals the
@@ -50,6 +52,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import problems
+from mvmoe_jax.chunked_sampling import chunked_sampling, sampling_chunk_size
 from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.nn import moe as moe_lib
@@ -480,6 +483,16 @@ def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, m
                                 platform=platform)
 
 
+def sampling_chunk(settings: StepSettings, cfg: PolicyConfig, inst: Instance, mesh: Mesh | None) -> int | None:
+    """Instances per chunk in which ``sample_and_train_step``'s sampling pass decodes each device's share of
+    ``inst`` (``chunked_sampling.sampling_chunk_size``; None: the whole share at once, ``rollout.rollout``).
+    Same trajectories and record either way. Measured on a 2-core CPU (MVMoE/4E, n = 50, batch 64, chunks of
+    two instances): see docs/performance-log.md, "Session 31"."""
+    num_devices = 1 if mesh is None else mesh.devices.size
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    return sampling_chunk_size(cfg, settings.pomo_size, inst.locs.shape[0] // num_devices, platform)
+
+
 def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
                           state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int,
                           mesh: Mesh | None = None) -> tuple[TrainState, dict]:
@@ -517,11 +530,18 @@ def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings
         # Without node_queries the sampling pass takes the query fusion's forward-only attention.
         sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
-    # rollout refuses decoder_buffers for a batch that keeps no record.
-    traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
-                   train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux),
-                   record_decoder=records_decoder(settings, policy.cfg, inst, max_steps, mesh),
-                   decoder_buffers=decoder_buffers)
+    record_decoder = records_decoder(settings, policy.cfg, inst, max_steps, mesh)
+    chunk = sampling_chunk(settings, policy.cfg, inst, mesh)
+    # Both refuse decoder_buffers for a batch that keeps no record.
+    if chunk is None:
+        traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
+                       train=True, max_steps=max_steps, record=True, encoded=(sampling_cache, sampling_aux),
+                       record_decoder=record_decoder, decoder_buffers=decoder_buffers)
+    else:
+        traj = chunked_sampling(policy, state.params, inst, rng, pomo_size=settings.pomo_size, max_steps=max_steps,
+                                encoded=(sampling_cache, sampling_aux), chunk=chunk,
+                                mesh=mesh if mesh is not None and mesh.devices.size > 1 else None,
+                                record_decoder=record_decoder, decoder_buffers=decoder_buffers)
     state, metrics = train_step(policy, tx, settings, state, inst, traj, rng, num_steps=0,
                                 encoded=((cache, aux_enc), backward_encoder), mesh=mesh)
     return state, metrics, traj

@@ -803,13 +803,22 @@ class MoE(nn.Module):
 
     # ---------------------------------------------------------------- entry point
 
+    def gating_noise(self, num_units: int) -> Array:
+        """(num_units, E) float32: the standard normal draws that a training call on ``num_units`` units takes
+        for its noisy gating, from the same 'gating' stream (its first draw in this module), so that a caller
+        can draw them for a whole batch once and give each part of the batch its rows (``noise=``)."""
+        return jax.random.normal(self.make_rng("gating"), (num_units, self.num_experts), jnp.float32)
+
     @nn.compact
-    def __call__(self, x: Array, train: bool, gates_only: bool = False) -> tuple[Array, Array]:
+    def __call__(self, x: Array, train: bool, gates_only: bool = False, noise: Optional[Array] = None
+                 ) -> tuple[Array, Array]:
         """x: (batch, tokens, d) or (tokens, d) -> (y with output_dim last, float32 scalar aux loss).
 
         ``gates_only=True`` (node-level input choice or random routing, linear experts): return the
         per-token gate matrix ``(..., E)`` instead of y, without running the experts, for callers that
         apply the experts' linear maps themselves (``y = sum_e gates_e (x @ experts_w[e] + experts_b[e])``).
+        ``noise``: the (tokens, E) draws of noisy node-level gating in training (``gating_noise``), instead of
+        drawing them here.
         """
         self._check_config()
         x = jnp.asarray(x)
@@ -823,7 +832,7 @@ class MoE(nn.Module):
             if not self.supports_gates_only:
                 raise ValueError("gates_only needs linear experts with node-level input_choice or random "
                                  f"routing, got {self.expert_type}/{self.level}/{self.routing}")
-            gates, _, _, aux = self._token_gates(x.reshape(-1, d_in), train)
+            gates, _, _, aux = self._token_gates(x.reshape(-1, d_in), train, noise)
             return gates.reshape(x.shape[:-1] + (self.num_experts,)), jnp.asarray(aux, jnp.float32)
 
         if self.level == "problem":
@@ -838,7 +847,7 @@ class MoE(nn.Module):
                 units = x if x.ndim == 3 else x[None]  # (B, n, d); a 2-D input is one instance
                 gate_in = units.mean(1)  # the reference routes an instance by its mean token
             if self.routing in ("input_choice", "random"):
-                y, aux, stats = self._token_choice(units, gate_in, params, train)
+                y, aux, stats = self._token_choice(units, gate_in, params, train, noise)
             elif self.routing == "expert_choice":
                 y, aux, stats = self._expert_choice(units, gate_in, w_gate, params)
             else:
@@ -855,14 +864,17 @@ class MoE(nn.Module):
         return (self.expert_type == "linear" and self.level == "node"
                 and self.routing in ("input_choice", "random"))
 
-    def _token_gates(self, gate_in, train):
+    def _token_gates(self, gate_in, train, given_noise=None):
         """Token choice gating of units' gate inputs (U, d): (gates (U, E), top_idx (U, k), top_gate (U, k),
-        aux ()). Parameters are read from the scope ``__call__`` created."""
+        aux ()). Parameters are read from the scope ``__call__`` created. ``given_noise``: the noisy gating's
+        (U, E) draws (``gating_noise``), else drawn here."""
         num_units, e, k = gate_in.shape[0], self.num_experts, self.k
+        if given_noise is not None and given_noise.shape != (num_units, e):
+            raise ValueError(f"gating noise of shape {given_noise.shape} for {num_units} units of {e} experts")
         if self.routing == "input_choice":
             noise = None
             if self.noisy_gating and train:
-                noise = jax.random.normal(self.make_rng("gating"), (num_units, e), jnp.float32)
+                noise = self.gating_noise(num_units) if given_noise is None else given_noise
             gates, top_idx, top_gate, aux, _ = noisy_top_k_gating(
                 gate_in, self.get_variable("params", "w_gate"), self.get_variable("params", "w_noise"), noise,
                 k, self.temperature, self.loss_coef, self.precision
@@ -875,10 +887,10 @@ class MoE(nn.Module):
             aux = jnp.zeros((), jnp.float32)
         return gates, top_idx, top_gate, aux
 
-    def _token_choice(self, units, gate_in, params, train):
+    def _token_choice(self, units, gate_in, params, train, noise=None):
         """Input choice (noisy top-k) or random routing of units (U, R, d) -> (U, R, o)."""
         num_units, e, k = units.shape[0], self.num_experts, self.k
-        gates, top_idx, top_gate, aux = self._token_gates(gate_in, train)
+        gates, top_idx, top_gate, aux = self._token_gates(gate_in, train, noise)
         strategy = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
                                     num_assignments=num_units * units.shape[1] * k)
 

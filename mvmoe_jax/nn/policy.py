@@ -519,7 +519,8 @@ class Policy(nn.Module):
 
     def decode(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
                gate_probs: jax.Array | None = None, train: bool = False, normalise: bool = True,
-               keep_record: bool = False, given: DecoderRecord | None = None):
+               keep_record: bool = False, given: DecoderRecord | None = None,
+               gating_noise: jax.Array | None = None):
         """One decoding step for every (instance, start).
 
         current int (B, P); dynamic (B, P, 4) = (load, time, length, open); mask bool (B, P, N).
@@ -532,18 +533,21 @@ class Policy(nn.Module):
         ``keep_record=True`` (forward only) also returns the step's ``DecoderRecord``; ``given``: that
         record, from a pass over the same inputs, whose attention and readout products this call takes
         instead of computing them (differentiable: their backward passes are the products'). Both need the
-        readout fusion (``DecoderCache.readout``).
+        readout fusion (``DecoderCache.readout``). ``gating_noise``: the decoder MoE's (B x P, E) gating noise
+        in training (``decoder_gating_noise``), instead of drawing it (not for MVMoE-L).
         """
         cfg = self.cfg
+        if gating_noise is not None and not (cfg.moe_at("Dec") and not cfg.hierarchical):
+            raise ValueError(f"gating_noise is for a decoder MoE without MVMoE-L's gate; {cfg.model} has none")
         if (keep_record or given is not None) and cache.readout is None:
             raise ValueError("a decoder record needs the readout fusion (PolicyConfig.uses_fused_readout)")
         attn, weights = self._decoder_attention(cache, current, dynamic, mask, keep_record, given)  # (B, P, D)
         readout_scores = None
         if cache.readout is not None:
             score, aux, gate_probs, readout_scores = self._fused_scores(cache, attn, train, gate_probs,
-                                                                        keep_record, given)
+                                                                        keep_record, given, gating_noise)
         else:
-            score, aux, gate_probs = self._scores(cache, attn, train, gate_probs)
+            score, aux, gate_probs = self._scores(cache, attn, train, gate_probs, gating_noise)
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
         score = jnp.where(mask, score, -jnp.inf)
         logp = jax.nn.log_softmax(score, axis=-1) if normalise else score
@@ -551,7 +555,7 @@ class Policy(nn.Module):
             return logp, aux, gate_probs, DecoderRecord(weights, attn, readout_scores)
         return logp, aux, gate_probs
 
-    def _scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs):
+    def _scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs, gating_noise=None):
         """Unclipped single-head scores (B, P, N): the combining projection, then dot products."""
         cfg = self.cfg
         emb = cache.embeddings
@@ -559,7 +563,7 @@ class Policy(nn.Module):
         if cfg.hierarchical:
             out, aux, gate_probs = self.multi_head_combine(attn, train, gate_probs)
         elif cfg.moe_at("Dec"):
-            out, aux = self.multi_head_combine(attn, train=train)
+            out, aux = self.multi_head_combine(attn, train=train, noise=gating_noise)
         else:
             out = self.multi_head_combine(attn)
         score = jnp.einsum("bpd,bnd->bpn", out.astype(cfg.dtype), emb.astype(cfg.dtype),
@@ -567,7 +571,7 @@ class Policy(nn.Module):
         return score, aux, gate_probs
 
     def _fused_scores(self, cache: DecoderCache, attn: jax.Array, train: bool, gate_probs,
-                      keep_record: bool = False, given: DecoderRecord | None = None):
+                      keep_record: bool = False, given: DecoderRecord | None = None, gating_noise=None):
         """The same scores as ``_scores`` from the precomputed readout (see ``precompute``), and (with
         ``keep_record``, else None) the per-map scores of the record (see ``DecoderRecord``)."""
         cfg = self.cfg
@@ -599,7 +603,7 @@ class Policy(nn.Module):
             score, kept = jax.lax.cond(choice == 1, lambda: mixed(gates, 1), lambda: mixed(None, 0))
             return score * scale, aux, gate_probs, kept
         if cfg.moe_at("Dec"):
-            gates, aux = self.multi_head_combine(attn, train=train, gates_only=True)
+            gates, aux = self.multi_head_combine(attn, train=train, gates_only=True, noise=gating_noise)
             score, kept = mixed(gates, 0)
             return score, aux, gate_probs, kept
         score, kept = mixed(None, 0)
@@ -692,6 +696,13 @@ class Policy(nn.Module):
             low, high = cache.feature_score_range[:, :, f, None, 0], cache.feature_score_range[:, :, f, None, 1]
             bound = bound + jnp.maximum(d * low, d * high)
         return bound[..., None]
+
+    def decoder_gating_noise(self, num_units: int) -> jax.Array:
+        """(num_units, E): the gating noise that a training-mode ``decode`` of ``num_units`` (instance, start)
+        pairs draws from the same 'gating' key, for the decoder MoE of MVMoE/4E (see ``decode``)."""
+        if not self.cfg.moe_at("Dec") or self.cfg.hierarchical:
+            raise ValueError(f"{self.cfg.model} has no decoder MoE outside MVMoE-L's gate")
+        return self.multi_head_combine.gating_noise(num_units)
 
     def hierarchical_gate_probs(self, pooled: jax.Array) -> jax.Array:
         """MVMoE-L's dense-or-MoE probabilities (2,) from the first step's attention output pooled over
