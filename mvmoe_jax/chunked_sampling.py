@@ -79,8 +79,8 @@ def chunked_sampling(policy: Policy, params, inst: Instance, rng: jax.Array, *, 
     one ``'data'`` axis splits the batch; None: one device), with the same result except ``aux_loss`` (see the
     module docstring) and the record's dynamic features at step ``num_steps``, which no step reads (the whole
     batch leaves zeros there, a chunk may leave its last step's). ``chunk`` must divide each device's share of
-    the batch. jit-compatible (``policy``,
-    ``pomo_size``, ``max_steps``, ``chunk``, ``mesh``, ``record_decoder`` static)."""
+    the batch. jit-compatible (``policy``, ``pomo_size``, ``max_steps``, ``chunk``, ``mesh``, ``record_decoder``
+    static)."""
     if policy.cfg.hierarchical:
         raise ValueError("MVMoE-L's gate needs the whole batch's first step: use rollout.rollout")
     if decoder_buffers is not None and not record_decoder:
@@ -121,10 +121,11 @@ def chunked_sampling(policy: Policy, params, inst: Instance, rng: jax.Array, *, 
 
 def _sample_in_chunks(policy: Policy, params, inst: Instance, cache: DecoderCache, keys: jax.Array,
                       uniforms: jax.Array, noise: jax.Array | None, decoder_buffers: DecoderRecord | None, *,
-                      pomo_size: int, chunk: int, record_decoder: bool) -> RolloutOutput:
+                      pomo_size: int, chunk: int, record_decoder: bool) -> tuple[RolloutOutput, jax.Array]:
     """One device's part of ``chunked_sampling``: its B' instances (B' / chunk chunks, one after another) with
-    their rows of the step draws, uniforms (T, B', P) and noise (T, B', P, E) or None; ``aux_loss`` zero."""
-    b, n1 = inst.locs.shape[0], inst.locs.shape[-2]
+    their rows of the step draws, uniforms (T, B', P) and noise (T, B', P, E) or None: (the output, its
+    ``aux_loss`` zero and ``num_steps`` this device's, and the steps each chunk needed (B' / chunk,))."""
+    b = inst.locs.shape[0]
     steps = keys.shape[0]
     starts, valid = start_nodes(inst, pomo_size)
     p = starts.shape[1]
