@@ -35,23 +35,22 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mvmoe_jax.devices import DATA_AXIS
+from mvmoe_jax.devices import DATA_AXIS, largest_divisor_at_most
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import DecoderCache, DecoderRecord, Policy, PolicyConfig
-from mvmoe_jax.rollout import (CPU_TRAJECTORIES_PER_CHUNK, RolloutOutput, decode_one_step, decoding_keys,
+from mvmoe_jax.rollout import (RolloutOutput, cpu_chunk_instances, decode_one_step, decoder_storage, decoding_keys,
                                initial_states, start_nodes)
 
 
 def sampling_chunk_size(cfg: PolicyConfig, pomo_size: int, per_device_batch: int, platform: str) -> int | None:
     """Instances per chunk of ``chunked_sampling`` for a device's share of ``per_device_batch`` instances: on
-    a CPU the largest divisor of that share within about ``rollout.CPU_TRAJECTORIES_PER_CHUNK`` trajectories
-    (at least one instance, as ``rollout.default_chunk_size``); None (decode the whole share at once) on
+    a CPU the largest divisor of that share within ``rollout.cpu_chunk_instances`` (about 100 trajectories,
+    as inference's chunks); None (decode the whole share at once) on
     accelerators, whose throughput grows with the batch, for MVMoE-L (see the module docstring) and where one
     chunk would be the whole share. Measured on a 2-core CPU: docs/performance-log.md, "Session 31"."""
     if platform != "cpu" or cfg.hierarchical or per_device_batch < 1:
         return None
-    wanted = max(1, CPU_TRAJECTORIES_PER_CHUNK // max(pomo_size, 1))
-    chunk = max(c for c in range(1, min(wanted, per_device_batch) + 1) if per_device_batch % c == 0)
+    chunk = largest_divisor_at_most(cpu_chunk_instances(pomo_size), per_device_batch)
     return None if chunk == per_device_batch else chunk
 
 
@@ -150,12 +149,8 @@ def _sample_in_chunks(policy: Policy, params, inst: Instance, cache: DecoderCach
         "log_likelihood": jnp.zeros((b, p), jnp.float32), "cost": jnp.zeros((b, p), jnp.float32),
         "finished": jnp.zeros((b, p), bool), "steps": jnp.zeros((b // chunk,), jnp.int32)}
     if record_decoder:
-        wanted = jax.tree.map(lambda s: jax.ShapeDtypeStruct((steps, b) + s.shape[1:], s.dtype), first[3])
-        if decoder_buffers is None:
-            decoder_buffers = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), wanted)
-        elif jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), decoder_buffers) != wanted:
-            raise ValueError(f"decoder_buffers do not fit this rollout's record: need {wanted}")
-        buffers["decoder"] = decoder_buffers
+        device_step = jax.tree.map(lambda s: jax.ShapeDtypeStruct((b,) + s.shape[1:], s.dtype), first[3])
+        buffers["decoder"] = decoder_storage(device_step, steps, decoder_buffers)
 
     def write_step(bufs, t, off, action, record_t):
         at = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[None], (t, off) + (0,) * (x.ndim - 1))

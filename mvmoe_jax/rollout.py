@@ -221,7 +221,7 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
             buffers += (jnp.zeros((steps, b, p, n1), bool).at[..., 0].set(True),
                         jnp.zeros((steps, b, p, 4), jnp.float32), jnp.zeros((steps, b, p), bool))
             if record_decoder:
-                buffers += (_decoder_storage(record_0[3], steps, decoder_buffers),)
+                buffers += (decoder_storage(record_0[3], steps, decoder_buffers),)
         buffers = write(buffers, 0, a0, record_0)
     else:
         # Otherwise the loop runs it: peeled, XLA:CPU fused the query fusion's table construction into that
@@ -277,9 +277,9 @@ def decode_one_step(policy: Policy, params, cache: DecoderCache, states: env.Sta
     return env.batch_step(states, action), action, chosen, aux_t, gate_probs, record_t
 
 
-def _decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | None) -> DecoderRecord:
-    """Buffers for ``steps`` steps of the decoder record whose first step is ``first``: ``given`` after
-    checking its shapes, else zeros."""
+def decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | None) -> DecoderRecord:
+    """Buffers for ``steps`` steps of the decoder record whose first step is ``first`` (arrays or shapes):
+    ``given`` after checking its shapes, else zeros."""
     wanted = jax.tree.map(lambda x: jax.ShapeDtypeStruct((steps,) + x.shape, x.dtype), first)
     if given is None:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), wanted)
@@ -305,13 +305,19 @@ def _decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | No
 CPU_TRAJECTORIES_PER_CHUNK = 100
 
 
+def cpu_chunk_instances(pomo_size: int) -> int:
+    """Instances in about ``CPU_TRAJECTORIES_PER_CHUNK`` trajectories of ``pomo_size`` starts, at least one (2 at
+    n = 50, 5 at n = 20, 1 from 51 starts on): a CPU's decoding chunk, here and in training's sampling pass
+    (``chunked_sampling``)."""
+    return max(1, CPU_TRAJECTORIES_PER_CHUNK // max(pomo_size, 1))
+
+
 def default_chunk_size(pomo_size: int) -> int | None:
-    """Instances per sequentially decoded chunk in ``greedy_evaluate``: on CPU about
-    ``CPU_TRAJECTORIES_PER_CHUNK`` trajectories (2 instances at n = 50, 5 at n = 20), one instance from 51 starts
-    on; None (the whole batch at once) on accelerators, whose throughput grows with the batch."""
+    """Instances per sequentially decoded chunk in ``greedy_evaluate``: on CPU ``cpu_chunk_instances``; None
+    (the whole batch at once) on accelerators, whose throughput grows with the batch."""
     if jax.default_backend() != "cpu":
         return None
-    return max(1, CPU_TRAJECTORIES_PER_CHUNK // max(pomo_size, 1))
+    return cpu_chunk_instances(pomo_size)
 
 
 # An encoder whose MoE layers run grouped (moe.resolve_dispatch) runs on several decoding chunks at once:
