@@ -33,8 +33,8 @@ ROW_SUMS_FROM_OUTPUT: bool = True
 # (B, H, m, n); None, by where the program runs (``keys_major_weights``). Read at trace time.
 KEYS_MAJOR_WEIGHTS: bool | None = None
 
-# How ``multi_head_attention`` computes its output where no gradient is taken (the encoder in inference and
-# evaluation; training's encoder runs under its vjp): True, normalised after the value product as ``attention_from_scores`` does; False, the
+# How ``multi_head_attention`` computes its output where no gradient is taken (the encoder in inference and in
+# the sampling passes): True, normalised after the value product as ``attention_from_scores`` does; False, the
 # softmax first, as the differentiated forward pass does (it keeps the weights for the backward pass); None,
 # by where the program runs (``normalises_after_forward``). Read at trace time.
 NORMALISE_AFTER_FORWARD: bool | None = None
@@ -330,10 +330,10 @@ def normalises_after_forward() -> bool:
     output is divided. Measured on the 2-core AVX-512 Xeon (model 207, 2026-12-02): the encoder's attention
     of 128 n = 50 instances (one core, projections and norm included) 11.7 against 17.0 ms; MVMoE/4E at
     n = 50, batch 64 (encoder calls of 128 instances), the same program both ways, calls alternating,
-    identical tours: -170 ms (standard error 55) of 2.6 s in a slow spell of the machine, MVMoE/4E-L -239 ms
-    (92) of 2.7 s. POMO-MTL, whose encoder runs per decoding chunk of 16 instances, tied (+22 ms, 35, of
-    1.5 s; latency +0.7 ms, 2.6, of 119). Equal to the softmax first up to float32 rounding. Accelerators keep
-    the softmax first, the form their figures were measured with."""
+    identical tours: -170 ms (standard error 55) of 2.6 s in a slow spell of the machine. POMO-MTL, whose
+    encoder runs per decoding chunk of 16 instances, tied (+22 ms, 35, of 1.5 s; latency +0.7 ms, 2.6, of
+    119). Equal to the softmax first up to float32 rounding. Accelerators keep the softmax first, the form
+    their figures were measured with."""
     if NORMALISE_AFTER_FORWARD is not None:
         return NORMALISE_AFTER_FORWARD
     return jax.default_backend() == "cpu"
