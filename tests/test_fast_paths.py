@@ -498,41 +498,6 @@ def test_attention_gradients_equal_autodiff_either_way_of_writing_the_products(m
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("normalise_after", [True, False])
-def test_attention_without_gradient_equals_plain_attention_either_way(monkeypatch, normalise_after):
-    """``multi_head_attention`` outside a gradient (the encoder in inference) gives plain masked softmax
-    attention with its softmax normalised after the value product or before it
-    (``attention.normalises_after_forward``, chosen by the backend), and its gradient is unchanged."""
-    from mvmoe_jax.nn import attention
-    monkeypatch.setattr(attention, "NORMALISE_AFTER_FORWARD", normalise_after)
-    assert attention.normalises_after_forward() is normalise_after
-    rng = np.random.default_rng(7)
-    b, h, m, n, d = 3, 4, 6, 9, 8
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) * 3
-               for shape in ((b, h, m, d), (b, h, n, d), (b, h, n, d)))
-    mask = jnp.asarray(rng.random((b, m, n)) < 0.5).at[:, :, 2].set(True)
-
-    def plain(mask):
-        score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(d))
-        if mask is not None:
-            score = jnp.where(mask[:, None], score, -jnp.inf)
-        return attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", jax.nn.softmax(score, axis=-1), v))
-
-    for given_mask in (mask, None):
-        got = jax.jit(lambda q, k, v: attention.multi_head_attention(q, k, v, given_mask))(q, k, v)
-        np.testing.assert_allclose(got, plain(given_mask), rtol=1e-5, atol=1e-5)
-    # With a gradient the forward pass is the one that keeps the weights: the same output to rounding.
-    out, _ = jax.vjp(lambda q: attention.multi_head_attention(q, k, v, mask), q)
-    np.testing.assert_allclose(out, jax.jit(lambda q: attention.multi_head_attention(q, k, v, mask))(q),
-                               rtol=1e-5, atol=1e-5)
-
-
-def test_attention_normalises_after_its_value_product_on_a_cpu_by_default(monkeypatch):
-    from mvmoe_jax.nn import attention
-    monkeypatch.setattr(attention, "NORMALISE_AFTER_FORWARD", None)
-    assert attention.normalises_after_forward() is (jax.default_backend() == "cpu")
-
-
 def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch):
     """The decoder's head merge by concatenated slices (``attention.merge_heads_by_slices``, chosen on a
     CPU) builds the very array the transpose does, and the attention from given scores is bitwise the same

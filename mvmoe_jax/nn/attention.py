@@ -33,12 +33,6 @@ ROW_SUMS_FROM_OUTPUT: bool = True
 # (B, H, m, n); None, by where the program runs (``keys_major_weights``). Read at trace time.
 KEYS_MAJOR_WEIGHTS: bool | None = None
 
-# How ``multi_head_attention`` computes its output where no gradient is taken (the encoder in inference and in
-# the sampling passes): True, normalised after the value product as ``attention_from_scores`` does; False, the
-# softmax first, as the differentiated forward pass does (it keeps the weights for the backward pass); None,
-# by where the program runs (``normalises_after_forward``). Read at trace time.
-NORMALISE_AFTER_FORWARD: bool | None = None
-
 
 def split_heads(x: jax.Array, num_heads: int) -> jax.Array:
     """(..., n, H*d) -> (..., H, n, d)."""
@@ -323,31 +317,9 @@ def _attention_bwd_keys_major(residuals, g, row_sums=None):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-def normalises_after_forward() -> bool:
-    """Whether ``multi_head_attention`` without a gradient normalises its softmax after the value product
-    (``NORMALISE_AFTER_FORWARD`` overrides): on a CPU. There the softmax first writes the (B, H, m, n) weights
-    in a pass of their own; normalised after, the exponentials feed the product and only the (B, H, m, d)
-    output is divided. Measured on the 2-core AVX-512 Xeon (model 207, 2026-12-02): the encoder's attention
-    of 128 n = 50 instances (one core, projections and norm included) 11.7 against 17.0 ms; MVMoE/4E at
-    n = 50, batch 64 (encoder calls of 128 instances), the same program both ways, calls alternating,
-    identical tours: -170 ms (standard error 55) of 2.6 s in a slow spell of the machine. POMO-MTL, whose
-    encoder runs per decoding chunk of 16 instances, tied (+22 ms, 35, of 1.5 s; latency +0.7 ms, 2.6, of
-    119). Equal to the softmax first up to float32 rounding. Accelerators keep the softmax first, the form
-    their figures were measured with."""
-    if NORMALISE_AFTER_FORWARD is not None:
-        return NORMALISE_AFTER_FORWARD
-    return jax.default_backend() == "cpu"
-
-
 @jax.custom_vjp
 def _attention(q, k, v, mask):
-    """(B, H, m, d) softmax attention; without a gradient taken, as ``normalises_after_forward`` chooses."""
-    if not normalises_after_forward():
-        return _attention_fwd(q, k, v, mask)[0]
-    scale = (1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))).astype(q.dtype)
-    score = _masked(jnp.einsum("bhmd,bhnd->bhmn", q * scale, k), mask)
-    _, total, out = _exponentials(score, jnp.max(score, axis=-1, keepdims=True), v)
-    return (out / total).astype(v.dtype)
+    return _attention_fwd(q, k, v, mask)[0]
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
