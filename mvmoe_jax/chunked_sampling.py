@@ -38,8 +38,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from mvmoe_jax.devices import DATA_AXIS, largest_divisor_at_most
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import DecoderCache, DecoderRecord, Policy, PolicyConfig
-from mvmoe_jax.rollout import (RolloutOutput, cpu_chunk_instances, decode_one_step, decoder_storage, decoding_keys,
-                               initial_states, start_nodes)
+from mvmoe_jax.rollout import (RolloutOutput, choice_uniforms, cpu_chunk_instances, decode_one_step, decoder_storage,
+                               decoding_keys, initial_states, start_nodes, step_keys)
 
 
 def sampling_chunk_size(cfg: PolicyConfig, pomo_size: int, per_device_batch: int, platform: str) -> int | None:
@@ -55,18 +55,18 @@ def sampling_chunk_size(cfg: PolicyConfig, pomo_size: int, per_device_batch: int
 
 
 def sampling_uniforms(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """(T,) + shape: the uniforms that ``rollout.sample_actions`` draws at each step from its key (the second
-    half of the step key's split, as ``rollout``)."""
-    return jax.vmap(lambda key: jax.random.uniform(jax.random.split(key)[1], shape))(keys)
+    """(T,) + shape: the uniforms that ``rollout.sample_actions`` draws at each step from its choice key
+    (``rollout.step_keys``)."""
+    return jax.vmap(lambda key: choice_uniforms(step_keys(key)[1], shape))(keys)
 
 
 def decoder_gating_noise(policy: Policy, params, keys: jax.Array, num_units: int) -> jax.Array | None:
-    """(T, num_units, E): the decoder MoE's gating noise at each step, from the first half of each step key
-    (as ``rollout``); None for a decoder without an MoE."""
+    """(T, num_units, E): the decoder MoE's gating noise at each step, from its gating key
+    (``rollout.step_keys``); None for a decoder without an MoE."""
     if not policy.cfg.moe_at("Dec"):
         return None
     return jax.vmap(lambda key: policy.apply(params, num_units, method=Policy.decoder_gating_noise,
-                                             rngs={"gating": jax.random.split(key)[0]}))(keys)
+                                             rngs={"gating": step_keys(key)[0]}))(keys)
 
 
 def chunked_sampling(policy: Policy, params, inst: Instance, rng: jax.Array, *, pomo_size: int, max_steps: int,

@@ -92,6 +92,19 @@ def decoding_keys(rng: jax.Array, num_steps: int) -> tuple[jax.Array, jax.Array]
     return k_enc, keys
 
 
+def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(gating key, choice key) of one decoding step's key (one of ``decoding_keys``): the first drives the
+    step's MoE gating noise and MVMoE-L's branch draw, the second the sampled choice (``choice_uniforms``).
+    Every pass that must reproduce a rollout's draws (the replays, training's chunked sampling) splits here."""
+    k_gate, k_pick = jax.random.split(key)
+    return k_gate, k_pick
+
+
+def choice_uniforms(k_pick: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The uniforms (``shape``: one per trajectory) that ``sample_actions`` draws from a step's choice key."""
+    return jax.random.uniform(k_pick, shape)
+
+
 def first_true(condition: jax.Array) -> jax.Array:
     """int32 (...,): the index of the first True along the last axis of ``condition`` (..., N); N where none.
 
@@ -130,7 +143,7 @@ def sample_actions(key: jax.Array, logp: jax.Array, uniform: jax.Array | None = 
     possible = p > 0
     total = jnp.max(jnp.where(possible, cdf, 0.0), axis=-1)
     if uniform is None:
-        uniform = jax.random.uniform(key, logp.shape[:-1])
+        uniform = choice_uniforms(key, logp.shape[:-1])
     threshold = uniform * total
     first = first_true(possible & (cdf > threshold[..., None]))
     return jnp.where(first < n, first, 0)      # no such node (nothing possible): 0, as argmax
@@ -256,7 +269,7 @@ def decode_one_step(policy: Policy, params, cache: DecoderCache, states: env.Sta
     loss, gate_probs, (mask, dynamic features, active, *decoder record) of this step). ``gating_noise`` and
     ``uniform``: the draws that ``key`` gives the decoder MoE and the sampled choice, given instead
     (``chunked_sampling``, which takes them from the whole batch's)."""
-    k_gate, k_pick = jax.random.split(key)
+    k_gate, k_pick = step_keys(key)
     mask = env.batch_action_mask(states)
     dyn = dynamic_features(states)
     noise = {} if gating_noise is None else {"gating_noise": gating_noise}

@@ -57,7 +57,7 @@ from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa
 from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import DecoderRecord, Policy, PolicyConfig, decoder_record_floats
-from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout
+from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout, step_keys
 
 BACKWARDS = ("auto", "stepwise", "replay")
 REUSE_SAMPLING = ("auto", "always", "never")
@@ -125,7 +125,7 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
 
     def decode(key, cur, dyn, mask, gate_probs):
         return policy.apply(params, cache, cur, dyn, mask, gate_probs, True, method=Policy.decode,
-                            rngs={"gating": jax.random.split(key)[0]})
+                            rngs={"gating": step_keys(key)[0]})
 
     gate_probs = None
     if cfg.hierarchical:
@@ -187,7 +187,7 @@ def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_wei
         given = None if traj.decoder is None else jax.tree.map(lambda x: x[t], traj.decoder)
         logp, aux_t, gate_probs = policy.apply(
             p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True, given=given,
-            method=Policy.decode, rngs={"gating": jax.random.split(keys[t])[0]})
+            method=Policy.decode, rngs={"gating": step_keys(keys[t])[0]})
         picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
         picked = jnp.where(traj.active[t], picked, 0.0)
         objective = jnp.sum(ll_weight * picked) + aux_weight * aux_t
