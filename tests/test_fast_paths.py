@@ -498,6 +498,61 @@ def test_attention_gradients_equal_autodiff_either_way_of_writing_the_products(m
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("normalise_after", [True, False])
+def test_attention_outside_training_equals_plain_attention_either_way(monkeypatch, normalise_after):
+    """``multi_head_attention(..., differentiable=False)`` (the encoder outside training mode) gives plain
+    masked softmax attention whether it normalises after the value product or before it
+    (``attention.normalises_after_product``), with a mask or without, and so does the differentiable form;
+    the non-differentiable form's autodiff gradient is the plain attention's too."""
+    monkeypatch.setattr(attention, "NORMALISE_AFTER_PRODUCT", normalise_after)
+    assert attention.normalises_after_product() is normalise_after
+    rng = np.random.default_rng(7)
+    b, h, m, n, d = 3, 4, 6, 9, 8
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) * 3
+               for shape in ((b, h, m, d), (b, h, n, d), (b, h, n, d)))
+    mask = jnp.asarray(rng.random((b, m, n)) < 0.5).at[:, :, 2].set(True)
+
+    def plain(q, mask):
+        score = jnp.einsum("bhmd,bhnd->bhmn", q, k) / jnp.sqrt(jnp.float32(d))
+        if mask is not None:
+            score = jnp.where(mask[:, None], score, -jnp.inf)
+        return attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", jax.nn.softmax(score, axis=-1), v))
+
+    for given_mask in (mask, None):
+        for differentiable in (False, True):
+            got = jax.jit(lambda q: attention.multi_head_attention(q, k, v, given_mask, differentiable))(q)
+            assert got.shape == (b, m, h * d)
+            np.testing.assert_allclose(got, plain(q, given_mask), rtol=1e-5, atol=1e-5)
+    weights = jnp.asarray(rng.standard_normal((b, m, h * d)), jnp.float32)
+    got = jax.grad(lambda q: jnp.sum(attention.multi_head_attention(q, k, v, mask, False) * weights))(q)
+    want = jax.grad(lambda q: jnp.sum(plain(q, mask) * weights))(q)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_normalises_after_its_value_product_on_a_cpu_by_default(monkeypatch):
+    monkeypatch.setattr(attention, "NORMALISE_AFTER_PRODUCT", None)
+    assert attention.normalises_after_product() is (jax.default_backend() == "cpu")
+
+
+@pytest.mark.parametrize("model", ["mvmoe"])
+def test_training_mode_encoder_keeps_the_differentiable_attention(monkeypatch, model):
+    """The encoder in training mode runs the differentiable attention whatever ``NORMALISE_AFTER_PRODUCT``
+    says (training's sampling pass must compute what its backward pass recomputes, bit for bit: see
+    ``attention.normalises_after_product``), and outside training mode the form it chooses."""
+    cfg = small_config(model)
+    policy, params, inst = Policy(cfg), perturbed_params(cfg), mixed_batch(8)
+    encoded = {}
+    for train in (True, False):
+        for normalise_after in (True, False):
+            monkeypatch.setattr(attention, "NORMALISE_AFTER_PRODUCT", normalise_after)
+            jax.clear_caches()      # the flag is read at trace time
+            encoded[train, normalise_after] = np.asarray(policy.apply(
+                params, inst, train, method=Policy.encode, rngs={"gating": jax.random.key(0)})[0])
+    np.testing.assert_array_equal(encoded[True, True], encoded[True, False])
+    np.testing.assert_allclose(encoded[False, True], encoded[False, False], rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(encoded[False, True], encoded[False, False])
+
+
 def test_attention_from_scores_merges_heads_the_same_either_way(monkeypatch):
     """The decoder's head merge by concatenated slices (``attention.merge_heads_by_slices``, chosen on a
     CPU) builds the very array the transpose does, and the attention from given scores is bitwise the same

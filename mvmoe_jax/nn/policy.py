@@ -321,7 +321,7 @@ class EncoderLayer(nn.Module):
         k = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wk")(x), h)
         v = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wv")(x), h)
         attn = Dense(cfg.embedding_dim, dtype=cfg.dtype, name="multi_head_combine")(
-            multi_head_attention(q, k, v))
+            multi_head_attention(q, k, v, differentiable=train))
         out1 = InstanceNorm(name="norm1")(x + attn)
         if cfg.moe_at(f"Enc{self.index}"):
             ff, aux = _moe(cfg, cfg.embedding_dim, "mlp", "feed_forward", cfg.ff_hidden_dim)(out1, train=train)
