@@ -98,9 +98,11 @@ def normalises_after_product() -> bool:
     product, as ``attention_from_scores`` does (``NORMALISE_AFTER_PRODUCT`` overrides): on a CPU. The
     softmax first writes the (B, H, m, n) weights in a pass of their own; normalised after, the exponentials
     feed the product and only the (B, H, m, d) output is divided. Measured on the 2-core AVX-512 Xeon (model
-    207, 2026-12-02): the encoder's attention of 128 n = 50 instances (one core, projections and norm
-    included) 11.7 against 17.0 ms; MVMoE/4E at n = 50, batch 64, the same program both ways, calls
-    alternating, identical tours: -170 ms (standard error 55) of 2.6 s; MVMoE/4E-L -239 ms (92).
+    207, 2026-12-02; one core, the three projections included, each form in blocks of ten calls): 64
+    instances of n = 50 6.3 against 11.7 ms, 16 instances 1.52 against 2.57 ms; at n = 100 (the latency
+    call's 1-4 instances) a tie. Whole calls, the same program both ways, alternating, identical tours:
+    MVMoE/4E at n = 50, batch 64 (encoder calls of 128 instances) -206 ms (standard error 92) of 2.2-2.4 s;
+    one n = 100 instance x8 -1.9 ms (2.0) of 160.
 
     Only for the encoder outside training mode, as a plain function beside the custom-vjp one rather than as
     that one's primal: tried as the primal in session 32 (taken wherever no gradient was), it broke the

@@ -320,6 +320,8 @@ class EncoderLayer(nn.Module):
         q = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wq")(x), h)
         k = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wk")(x), h)
         v = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wv")(x), h)
+        # Training mode keeps the differentiable form in every pass, the sampling pass included: its backward
+        # pass recomputes the encoder and must find what the sampling pass found (see normalises_after_product).
         attn = Dense(cfg.embedding_dim, dtype=cfg.dtype, name="multi_head_combine")(
             multi_head_attention(q, k, v, differentiable=train))
         out1 = InstanceNorm(name="norm1")(x + attn)
