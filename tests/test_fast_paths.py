@@ -529,6 +529,38 @@ def test_attention_outside_training_equals_plain_attention_either_way(monkeypatc
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_attention_value_is_the_same_under_a_gradient_in_a_batched_map():
+    """``multi_head_attention`` inside ``jax.lax.map(..., batch_size=...)`` with its keys and values closed
+    over (training's replay of the decoder) has the same value under ``jax.value_and_grad`` as without a
+    gradient. JAX's vmap of a custom-vjp call takes the outputs' batch axis from the primal function and
+    reads the forward rule's outputs at that axis when the call is differentiated later; a primal whose
+    batched output lands on another axis than the rule's (session 32's primal: axis 0 against 2) scrambles
+    the values, silently where the shapes agree (as here: 4 instances, a map batch of 4)."""
+    rng = np.random.default_rng(3)
+    t, b, h, m, n, d = 8, 4, 2, 4, 6, 8
+    qs = jnp.asarray(rng.standard_normal((t, b, h, m, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, h, n, d)), jnp.float32)
+    masks = jnp.asarray(rng.random((t, b, m, n)) < 0.7).at[..., 0].set(True)
+    weights = jnp.asarray(rng.standard_normal((t, b, m, h * d)), jnp.float32)
+
+    def loss(k):
+        out = jax.lax.map(lambda a: attention.multi_head_attention(a[0], k, v, a[1]), (qs, masks), batch_size=4)
+        return jnp.sum(out * weights)
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(k)
+    np.testing.assert_allclose(value, jax.jit(loss)(k), rtol=1e-5)
+    # The gradient is the plain attention's too.
+    def plain_loss(k):
+        score = jnp.einsum("tbhmd,bhnd->tbhmn", qs, k) / jnp.sqrt(jnp.float32(d))
+        score = jnp.where(masks[:, :, None], score, -jnp.inf)
+        out = jnp.einsum("tbhmn,bhnd->tbhmd", jax.nn.softmax(score, axis=-1), v)
+        return jnp.sum(jnp.moveaxis(out, 2, 3).reshape(t, b, m, h * d) * weights)
+
+    np.testing.assert_allclose(value, plain_loss(k), rtol=1e-5)
+    np.testing.assert_allclose(grad, jax.grad(plain_loss)(k), rtol=1e-4, atol=1e-4)
+
+
 def test_attention_normalises_after_its_value_product_on_a_cpu_by_default(monkeypatch):
     monkeypatch.setattr(attention, "NORMALISE_AFTER_PRODUCT", None)
     assert attention.normalises_after_product() is (jax.default_backend() == "cpu")

@@ -105,13 +105,16 @@ def normalises_after_product() -> bool:
     one n = 100 instance x8 -1.9 ms (2.0) of 160.
 
     Only for the encoder outside training mode, as a plain function beside the custom-vjp one rather than as
-    that one's primal: tried as the primal in session 32 (taken wherever no gradient was), it broke the
-    replay's gradient. Training's sampling pass then used it; ``jax.grad`` of ``training.replay`` of a tiny
-    MVMoE/4E-L, with or without ``jax_use_direct_linearize``, computed a log-likelihood of -8,370 against
-    the sampled -5,615, while the replay without a gradient gave -5,615 with either form. The cause was not
-    found; kept out of every traced custom-vjp call and out of training mode, the form cannot reach a
-    differentiated program's primal. Accelerators keep the softmax first, the form their figures were
-    measured with.
+    that one's primal. Tried as the primal in session 32, it broke the replay's gradient: JAX's vmap of a
+    custom-vjp call takes the outputs' batch axis from the primal function, traced when the call is staged,
+    and reads the forward rule's outputs at that axis when the call is differentiated later. Batched by
+    ``jax.lax.map(..., batch_size=8)`` over the replay's steps with the keys closed over, this form's output
+    carried the batch on axis 0 and ``_attention_fwd``'s on axis 2; with 8 instances the shapes agreed and
+    the values were silently scrambled (a log-likelihood of -8,370 against -5,615). Every custom-vjp primal
+    here is therefore its forward rule's own output (``test_attention_value_is_the_same_under_a_gradient_in_a_batched_map``
+    guards the case). Training mode keeps the differentiable form in every pass as well, so that the sampling
+    pass computes what the backward pass recomputes. Accelerators keep the softmax first, the form their
+    figures were measured with.
     """
     if NORMALISE_AFTER_PRODUCT is not None:
         return NORMALISE_AFTER_PRODUCT
