@@ -550,7 +550,8 @@ def test_attention_value_is_the_same_under_a_gradient_in_a_batched_map():
 
     value, grad = jax.jit(jax.value_and_grad(loss))(k)
     np.testing.assert_allclose(value, jax.jit(loss)(k), rtol=1e-5)
-    # The gradient is the plain attention's too.
+
+    # Value and gradient are the plain attention's too.
     def plain_loss(k):
         score = jnp.einsum("tbhmd,bhnd->tbhmn", qs, k) / jnp.sqrt(jnp.float32(d))
         score = jnp.where(masks[:, :, None], score, -jnp.inf)
@@ -566,12 +567,11 @@ def test_attention_normalises_after_its_value_product_on_a_cpu_by_default(monkey
     assert attention.normalises_after_product() is (jax.default_backend() == "cpu")
 
 
-@pytest.mark.parametrize("model", ["mvmoe"])
-def test_training_mode_encoder_keeps_the_differentiable_attention(monkeypatch, model):
+def test_training_mode_encoder_keeps_the_differentiable_attention(monkeypatch):
     """The encoder in training mode runs the differentiable attention whatever ``NORMALISE_AFTER_PRODUCT``
     says (training's sampling pass must compute what its backward pass recomputes, bit for bit: see
     ``attention.normalises_after_product``), and outside training mode the form it chooses."""
-    cfg = small_config(model)
+    cfg = small_config("mvmoe")
     policy, params, inst = Policy(cfg), perturbed_params(cfg), mixed_batch(8)
     encoded = {}
     for train in (True, False):
