@@ -372,6 +372,24 @@ def test_sparse_einsum_and_grouped_equal_dense_when_nothing_dropped(routing, lev
             assert stats["dropped_assignments"] == (0,)
 
 
+@pytest.mark.parametrize("num", [1, 127, 128, 300, 13056])
+def test_ranks_within_groups_are_a_stable_sorts_places(num):
+    """The grouped execution's slots: each element's place within its key's group under a stable sort by key,
+    and the group sizes, for lengths inside one tile, at a tile's edge and over many tiles."""
+    keys = np.asarray(jax.random.randint(jax.random.key(num), (num,), 0, 5))
+    rank, counts = M.ranks_within_groups(jnp.asarray(keys), 5)
+    with M.blocks_as_one_product():                       # the FLOP count's sorted form: the same ranks
+        rank_sorted, counts_sorted = M.ranks_within_groups(jnp.asarray(keys), 5)
+    np.testing.assert_array_equal(np.asarray(rank_sorted), np.asarray(rank))
+    np.testing.assert_array_equal(np.asarray(counts_sorted), np.asarray(counts))
+    order = np.argsort(keys, kind="stable")
+    expected = np.empty(num, np.int64)
+    start = np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=5))[:-1]])
+    expected[order] = np.arange(num) - start[keys[order]]
+    np.testing.assert_array_equal(np.asarray(rank), expected)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(keys, minlength=5))
+
+
 @pytest.mark.parametrize("expert_type", ["mlp", "linear"])
 def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
     """Hundreds of units over several blocks per expert, some assignments inactive: the grouped execution
@@ -429,7 +447,7 @@ def test_blocks_as_one_product_counts_every_block_for_the_same_result():
     products; traced as one product (``blocks_as_one_product``) it shows every block's, and the result is
     the loop's."""
     rng = np.random.default_rng(7)
-    d, h, o, e, block = 8, 32, 8, 4, 32
+    d, h, o, e, block = 32, 64, 32, 4, 32
     params = {"w1": jnp.asarray(rng.standard_normal((e, d, h)), jnp.float32),
               "b1": jnp.asarray(rng.standard_normal((e, h)), jnp.float32),
               "w2": jnp.asarray(rng.standard_normal((e, h, o)), jnp.float32),

@@ -567,6 +567,48 @@ def grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_in
                                     precision=precision)
 
 
+_RANK_TILE = 128
+
+
+def ranks_within_groups(keys: Array, num_groups: int) -> tuple[Array, Array]:
+    """Counting in place of a sort, for a few distinct keys.
+
+    Args:
+      keys: int (A,), values in [0, num_groups).
+    Returns:
+      rank: int32 (A,), how many earlier elements (lower index) hold the same key: the element's place
+        within its key's group under a stable sort by key.
+      counts: int32 (num_groups,), the elements holding each key.
+
+    The counts come from one-hot tiles of 128 elements: within a tile, a product with a strictly lower
+    triangular matrix (0/1 values and sums below 128, exact in float32); across tiles, an integer running
+    sum of the tiles' totals.
+    XLA:CPU's stable sort of a layer's 13,056 expert assignments (128 n = 50 instances, top-2) took
+    ~3.5 ms, a twentieth of an encoder layer on one core; the grouped execution's slots computed this way
+    are the same, and an MVMoE/4E encoder call of 128 instances ran 13.9 ms (standard error 6.8) faster
+    (of ~490; both cores of the 2-core AVX-512 Xeon busy, 100 alternating pairs).
+    """
+    num = keys.shape[0]
+    if _BLOCKS_AS_ONE_PRODUCT.get():
+        # Traced for FLOP counting: the same ranks by a stable sort, so that the count holds the model's
+        # products only, not these bookkeeping ones.
+        order = jnp.argsort(keys, stable=True)
+        counts = jnp.bincount(keys, length=num_groups).astype(jnp.int32)
+        start = jnp.cumsum(counts) - counts
+        rank = jnp.zeros((num,), jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32) - start[keys[order]])
+        return rank, counts
+    pad = (-num) % _RANK_TILE
+    padded = jnp.pad(keys.astype(jnp.int32), (0, pad), constant_values=num_groups)   # padding: no group
+    tiles = (padded[:, None] == jnp.arange(num_groups)).astype(jnp.float32)
+    tiles = tiles.reshape(-1, _RANK_TILE, num_groups)                                 # (R, T, G)
+    earlier = jnp.tril(jnp.ones((_RANK_TILE, _RANK_TILE), jnp.float32), -1)          # [i, j]: j before i
+    within = jnp.einsum("ij,rjg->rig", earlier, tiles, precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+    totals = tiles.sum(1).astype(jnp.int32)                                          # (R, G)
+    before = jnp.cumsum(totals, axis=0) - totals
+    rank = jnp.sum((within + before[:, None, :]) * tiles.astype(jnp.int32), axis=-1).reshape(-1)[:num]
+    return rank, totals.sum(0)
+
+
 def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_index: Array, weights: Array,
                              active: Array, *, block: int, dtype, precision: Any) -> Array:
     """``grouped_experts_forward`` on one group of units."""
@@ -575,22 +617,21 @@ def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_i
     num_assign = num_units * k
     expert = jnp.where(active, expert_index, num_experts).reshape(num_assign)   # inactive: sentinel group
     unit = jnp.repeat(jnp.arange(num_units, dtype=jnp.int32), k)
-    order = jnp.argsort(expert, stable=True)
-    expert_sorted = expert[order]
-    counts = jnp.bincount(expert, length=num_experts + 1)[:num_experts]
+    # Each assignment's slot: its expert's first padded slot plus its rank among that expert's assignments
+    # in unit order, the place a stable sort by expert would give it.
+    rank, counts = ranks_within_groups(expert, num_experts + 1)
+    counts = counts[:num_experts]
     padded = -(-counts // block) * block
     padded_end = jnp.cumsum(padded)
     padded_start = padded_end - padded
-    start = jnp.cumsum(counts) - counts
     # Static size: every assignment plus, per expert, an unfilled block at most.
     length = -(-(num_assign + num_experts * (block - 1)) // block) * block
     num_blocks = length // block
-    safe = jnp.minimum(expert_sorted, num_experts - 1)
-    position = jnp.where(expert_sorted < num_experts,
-                         padded_start[safe] + jnp.arange(num_assign) - start[safe], length)
-    slot_unit = jnp.zeros((length,), jnp.int32).at[position].set(unit[order], mode="drop")
+    safe = jnp.minimum(expert, num_experts - 1)
+    position = jnp.where(expert < num_experts, padded_start[safe] + rank, length)
+    slot_unit = jnp.zeros((length,), jnp.int32).at[position].set(unit, mode="drop")
     slot_weight = jnp.zeros((length,), jnp.float32).at[position].set(
-        weights.reshape(num_assign)[order].astype(jnp.float32), mode="drop")
+        weights.reshape(num_assign).astype(jnp.float32), mode="drop")
     # Expert of each block (blocks past the last group hold only zero-weight padding).
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
                                num_experts - 1)
