@@ -16,6 +16,11 @@ import json
 import os
 import sys
 
+if __name__ == "__main__":
+    # First, before JAX starts: glibc's huge-page tunable for XLA:CPU's per-call buffers (host_memory.py).
+    from mvmoe_jax import host_memory
+    host_memory.restart_with_huge_pages()
+
 from absl import app, flags
 from ml_collections import config_flags
 

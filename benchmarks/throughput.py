@@ -467,11 +467,9 @@ def main():
                         "see mvmoe_jax/devices.py")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
-    if args.mode == "train":
-        # Measure what train.py runs: glibc's huge-page tunable set (mvmoe_jax/host_memory.py; measured for
-        # training only, so inference and --mode=both run without it). The PyTorch peers run in this
-        # process, under the same setting.
-        host_memory.restart_with_huge_pages()
+    # Measure what train.py and evaluate.py run: glibc's huge-page tunable set (mvmoe_jax/host_memory.py).
+    # The PyTorch peers run in this process, under the same setting.
+    host_memory.restart_with_huge_pages()
     devices.use_cpu_cores_as_devices(args.cpu_devices)
     if args.authors or args.torch:
         # On a GPU, JAX would otherwise reserve most of its memory at start, leaving the peers little.

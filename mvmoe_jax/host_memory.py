@@ -7,14 +7,16 @@ one training step as one program): ~190,000 minor page faults and 0.6 s of syste
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc asks the kernel for transparent huge pages (2 MiB) for
 those blocks: ~2,000 faults, 0.12 s of system time, and fewer TLB misses; the step took 3.29-3.50 s
 against 3.88-4.96 s (6 steps each, alternating processes). POMO-MTL's step (half the buffers) faulted
-~90,000 times without it and ran no faster with it; inference, whose decoding loop reuses its buffers,
-showed no difference beyond the noise (one n = 100 instance: +-25% between runs either way), so only
-training restarts.
+~90,000 times without it and ran no faster with it. Inference too: MVMoE/4E's greedy x8 evaluation of 64
+n = 50 instances (126 MB of temporaries per device) faulted ~60,000 times a call and spent 0.10-0.13 s of
+system time, with the tunable ~900 times and 0.03 s; on the 2-core AVX-512 Xeon (model 167) four pairs of
+alternating processes gave medians 40 ms lower of ~1.6 s for MVMoE/4E and 45 ms for MVMoE/4E-L, a tie for
+POMO-MTL (6 MB of temporaries), and one n = 100 instance faults under 1,000 times a call either way.
 
 glibc reads its tunables once, when a process starts, so the setting cannot be made from inside a running
-interpreter: ``restart_with_huge_pages`` re-executes the command with it (train.py and the training
-benchmarks, ``benchmarks/throughput.py --mode=train`` and ``benchmarks/train_throughput.py``, call it first
-thing). From Python, start the interpreter with the variable set yourself.
+interpreter: ``restart_with_huge_pages`` re-executes the command with it (train.py, evaluate.py and the
+benchmarks ``benchmarks/throughput.py`` and ``benchmarks/train_throughput.py`` call it first thing). From
+Python, start the interpreter with the variable set yourself.
 """
 
 from __future__ import annotations

@@ -58,3 +58,27 @@ def test_restart_sets_the_tunable_keeps_arguments_and_can_be_declined():
     assert _run({}) == "glibc.malloc.hugetlb=1 False ['--flag=1']"
     assert _run({host_memory.OPT_OUT: "0"}) == "None False ['--flag=1']"
     assert _run({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == "glibc.malloc.hugetlb=0 False ['--flag=1']"
+
+
+# Runs an entry script as `python SCRIPT ARGS` would, reporting the tunable the process ends with (the
+# restart replaces the process image and runs this command again, so the report comes from the last one).
+ENTRY = ("import atexit, os, runpy, sys; "
+         "atexit.register(lambda: print('tunables:', os.environ.get('GLIBC_TUNABLES'))); "
+         "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("script", ["train.py", "evaluate.py"])
+def test_entry_scripts_run_under_the_tunable(script, tmp_path):
+    """train.py and evaluate.py restart under the tunable before doing anything else (here they then stop at
+    a checkpoint that does not exist)."""
+    if not host_memory.transparent_huge_pages_available():
+        pytest.skip("transparent huge pages are not available to malloc here (Linux, glibc >= 2.35, THP on)")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    missing = str(tmp_path / "no-such-checkpoint")
+    args = {"train.py": ["--config=configs/demo.py", f"--config.workdir={tmp_path / 'w'}",
+                         f"--config.finetune_from={missing}"],
+            "evaluate.py": [f"--checkpoint={missing}"]}[script]
+    out = subprocess.run([sys.executable, "-c", ENTRY, script] + args, cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "tunables: glibc.malloc.hugetlb=1" in out.stdout
