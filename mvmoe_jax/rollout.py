@@ -339,8 +339,13 @@ def default_chunk_size(pomo_size: int) -> int | None:
 # took 1.54 s in calls of 16 instances (816 tokens), 1.33 s at 64, 1.05-1.07 s at 128 (6,528 tokens),
 # 1.15 s at 256; with the decoder's precomputation still per chunk, the whole workload 3.73 against 4.01 s
 # (min of 7 alternating runs). POMO-MTL's plain feed-forward layers gain nothing (1.96 against 1.75 s):
-# its encoder stays per chunk.
-CPU_ENCODER_TOKENS = 6528
+# its encoder stays per chunk. Since the encoder's attention normalises after its value product and
+# inference runs under glibc's huge pages (host_memory.py), 3,264 tokens won over 6,528 (2-core AVX-512 Xeon
+# model 167, 2026-12-02, whole greedy x8 calls compiled both ways in one process, alternating, identical
+# tours): MVMoE/4E at n = 50, batch 64 -69 ms (standard error 17) and -55 (22) of ~1.55 s, -31 (15) without
+# the huge pages; MVMoE/4E-L -53 (21); MVMoE/4E at n = 100, batch 16 -124 (34) of 1.77 s; at n = 20, batch 64
+# -20 (10) of 354 ms. 1,632 against 3,264: +20 (20).
+CPU_ENCODER_TOKENS = 3264
 
 
 def encoder_token_budget(cfg: PolicyConfig) -> int:

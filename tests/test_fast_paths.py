@@ -183,7 +183,8 @@ def test_encoder_groups_fill_a_token_budget_and_divide_the_chunks():
         # Largest: no larger divisor fits.
         assert all(num_chunks % g or g * chunk * nodes > budget for g in range(group + 1, num_chunks + 1))
     assert rollout.encoder_group_size(9, 400, 51) == 1          # one chunk alone exceeds the budget
-    assert rollout.encoder_group_size(256, 1, 101) == 64
+    assert rollout.encoder_group_size(256, 1, 101, budget=6528) == 64
+    assert rollout.encoder_group_size(256, 1, 101, budget=3264) == 32
     assert rollout.encoder_group_size(256, 1, 101, budget=0) == 1
     # Only an encoder with MoE layers that may run grouped is encoded in groups.
     assert rollout.encoder_token_budget(PolicyConfig(model="mvmoe")) == budget
