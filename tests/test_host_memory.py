@@ -42,9 +42,15 @@ RESTART = ("import sys; from mvmoe_jax import host_memory; jax_before = 'jax' in
            "print(os.environ.get('GLIBC_TUNABLES'), jax_before, sys.argv[1:])")
 
 
-def _run(extra_env):
+def _environment_without_the_setting(**extra) -> dict[str, str]:
+    """This process's environment without GLIBC_TUNABLES or the opt-out, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
-    env.update(extra_env)
+    env.update(extra)
+    return env
+
+
+def _run(extra_env):
+    env = _environment_without_the_setting(**extra_env)
     out = subprocess.run([sys.executable, "-c", RESTART, "--flag=1"], cwd=REPO_ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -73,7 +79,7 @@ def test_entry_scripts_run_under_the_tunable(script, tmp_path):
     a checkpoint that does not exist)."""
     if not host_memory.transparent_huge_pages_available():
         pytest.skip("transparent huge pages are not available to malloc here (Linux, glibc >= 2.35, THP on)")
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    env = _environment_without_the_setting()
     missing = str(tmp_path / "no-such-checkpoint")
     args = {"train.py": ["--config=configs/demo.py", f"--config.workdir={tmp_path / 'w'}",
                          f"--config.finetune_from={missing}"],
