@@ -200,16 +200,20 @@ AUTO_DISPATCH = "auto"
 # Units per block of the grouped execution: large enough for efficient matmuls on CPU, small enough that
 # the padding (< one block per expert) stays a small fraction of the work. Measured on one core of a
 # 2-core x86 CPU, MLP experts 128 -> 512 -> 128, top-2 of 4: blocks of 128 were fastest up to ~1,600
-# tokens, 256 from ~3,300 tokens on (58 against 64 ms at 6,528 tokens). Below 1,024 assignments the
+# tokens, 256 at 6,528 tokens in isolation (58 against 64 ms). Below 1,024 assignments the
 # padding dominates: on a 2-core AVX-512 Xeon, whole MVMoE/4E inference calls at 808 assignments per
 # device (one n = 100 instance x8) ran fastest in blocks of 32 (64: +2.7 ms, 128: +8.5 ms, 16: +1.3 ms of
 # ~131); at 1,632 (n = 50, batch 64) 32, 64 and 128 tied. Figures: docs/performance-log.md, "Small MoE
-# layers grouped".
+# layers grouped". Whole inference calls on the AVX-512 Xeon model 167 (2026-12-02, both forms compiled in one
+# process, alternating, identical tours) put the switch to 256 above the encoder calls of 3,264 tokens (6,528
+# assignments; rollout.CPU_ENCODER_TOKENS): 128 against 256 there, MVMoE/4E at n = 50, batch 64 -49 ms
+# (standard error 17) and -17 (9) of ~1.53 s, MVMoE/4E-L -31 (7), n = 100, batch 16 (6,464) -25 (13) of 1.69 s;
+# 64 against 128 +41 (16). At 13,056 assignments 256 had won (+16 ms (4) for 128 of ~475).
 GROUP_BLOCK_SMALL = 32
 GROUP_BLOCK_SMALL_BELOW = 1024         # assignments (tokens x k)
 GROUP_BLOCK = 128
 GROUP_BLOCK_LARGE = 256
-GROUP_BLOCK_LARGE_FROM = 6144          # assignments (tokens x k)
+GROUP_BLOCK_LARGE_FROM = 8192          # assignments (tokens x k)
 # From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
 # padding blocks outweigh the saved work: on the same Xeon one n = 20 instance x8 (168 assignments per
 # device) was 1.4 ms slower grouped than dense (of 10.8), while from 408 on grouping won (n = 100, one
