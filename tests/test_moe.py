@@ -415,6 +415,9 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
     def grouped(p, x, w=weights):
         return M.grouped_experts_forward(p, x, index, w, active, block=32)
 
+    def grouped_by_expert(p, x, w=weights):
+        return M.grouped_experts_forward(p, x, index, w, active, block=32, by_expert=True)
+
     def side_by_side(p, x, w=weights):
         gates = jnp.einsum("uk,uke->ue", jnp.where(active, w, 0.0), jax.nn.one_hot(index, 4))
         return M.gated_experts_forward(p, x[:, 0], gates)[:, None]
@@ -435,11 +438,85 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
 
     g_dense = gradient(dense)
     assert not np.asarray(g_dense[2])[~np.asarray(active)].any() and np.abs(g_dense[2]).max() > 0
-    for execution in (grouped, side_by_side, grouped_in_three_sorts):
+    for execution in (grouped, grouped_by_expert, side_by_side, grouped_in_three_sorts):
         np.testing.assert_allclose(jax.jit(execution)(params, units), expected, rtol=1e-5, atol=1e-5)
         g = gradient(execution)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _expert_blocks_case(seed=11, blocks=9, rows=16, d=8, h=24, o=6):
+    """Random experts and blocks as ``_grouped_experts_forward`` lays them out: 4 experts' consecutive blocks
+    (expert 2 has none), then two blocks past the last expert's end. (params, x, block_expert, block_end)."""
+    rng = np.random.default_rng(seed)
+    params = tuple(jnp.asarray(rng.standard_normal(shape) / 3, jnp.float32)
+                   for shape in ((4, d, h), (4, h), (4, h, o), (4, o)))
+    block_end = jnp.asarray([2, 5, 5, 7], jnp.int32)
+    block_expert = jnp.asarray([0, 0, 1, 1, 1, 3, 3, 3, 3], jnp.int32)[:blocks]
+    x = jnp.asarray(rng.standard_normal((blocks, rows, d)), jnp.float32)
+    return params, x, block_expert, block_end
+
+
+def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients():
+    """The same products expert by expert: bitwise the block-by-block outputs up to the last expert's end,
+    zeros past it (padding, whose rows carry zero weight), and the same gradients, also through a batched
+    ``lax.map`` (where a custom-vjp output's batch axis must be the same in its primal and forward rule)."""
+    params, x, block_expert, block_end = _expert_blocks_case()
+    looped = jax.jit(M.mlp_expert_blocks)(*params, x, block_expert)
+    by_expert = jax.jit(M.mlp_expert_blocks_by_expert)(*params, x, block_expert, block_end)
+    np.testing.assert_array_equal(np.asarray(by_expert[:7]), np.asarray(looped[:7]))
+    assert not np.asarray(by_expert[7:]).any() and np.asarray(looped[7:]).any()
+
+    # Cotangents only on the run blocks, as the weighting by the gates gives the padding.
+    probe = jnp.asarray(np.random.default_rng(2).standard_normal(looped.shape), jnp.float32).at[7:].set(0.0)
+
+    def loss(blocks_fn, *extra):
+        return lambda p, xs: jnp.sum(jnp.tanh(blocks_fn(*p, xs, block_expert, *extra)) * probe)
+
+    g_looped = jax.jit(jax.grad(loss(M.mlp_expert_blocks), argnums=(0, 1)))(params, x)
+    g_by_expert = jax.jit(jax.grad(loss(M.mlp_expert_blocks_by_expert, block_end), argnums=(0, 1)))(params, x)
+    for a, b in zip(jax.tree.leaves(g_by_expert), jax.tree.leaves(g_looped)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    # Value and gradient of a loss over four scaled copies of the input, mapped two at a time with the
+    # weights closed over (as training's replay maps its steps): the mapped call is staged first and
+    # differentiated later.
+    scales = jnp.asarray([1.0, -0.5, 2.0, 0.25], jnp.float32)
+
+    def mapped_loss(blocks_fn, *extra):
+        def total(p):
+            out = jax.lax.map(lambda c: blocks_fn(*p, x * c, block_expert, *extra), scales, batch_size=2)
+            return jnp.sum(jnp.tanh(out) * probe)
+        return total
+
+    value, grad = jax.jit(jax.value_and_grad(mapped_loss(M.mlp_expert_blocks_by_expert, block_end)))(params)
+    np.testing.assert_allclose(value, jax.jit(mapped_loss(M.mlp_expert_blocks_by_expert, block_end))(params),
+                               rtol=1e-5)
+    value_looped, grad_looped = jax.jit(jax.value_and_grad(mapped_loss(M.mlp_expert_blocks)))(params)
+    np.testing.assert_allclose(value, value_looped, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_looped)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_layer_runs_its_experts_expert_by_expert_outside_training_only(monkeypatch):
+    """Outside training mode the grouped MoE layer takes the expert-by-expert loops (its program has no
+    block-by-block map), in training mode the block loop; both give the dense layer's outputs."""
+    x = rand_x((1200, 8), seed=41)
+    layers = {d: M.MoE(output_dim=5, hidden_dim=12, dispatch=d) for d in ("grouped", "dense")}
+    params = init_moe(layers["dense"], x, seed=3, gate_scale=1.0)
+
+    def calls(train, by_expert_setting):
+        monkeypatch.setattr(M, "BY_EXPERT_OUTSIDE_TRAINING", by_expert_setting)
+        jaxpr = jax.make_jaxpr(lambda p: layers["grouped"].apply({"params": p}, x, train,
+                                                                  rngs={"gating": jax.random.key(0)}))(params)
+        return str(jaxpr).count("while[")
+
+    # Expert by expert: a scan over the experts around a loop over each one's blocks; block by block: one scan.
+    assert calls(False, True) == 1 and calls(False, False) == 0
+    assert calls(True, True) == 0
+    y, _ = jax.jit(lambda p: layers["grouped"].apply({"params": p}, x, False))(params)
+    y_dense, _ = jax.jit(lambda p: layers["dense"].apply({"params": p}, x, False))(params)
+    np.testing.assert_allclose(y, y_dense, rtol=1e-5, atol=1e-6)
 
 
 def test_blocks_as_one_product_counts_every_block_for_the_same_result():
