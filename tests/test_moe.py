@@ -445,23 +445,18 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def _expert_blocks_case(seed=11, blocks=9, rows=16, d=8, h=24, o=6):
-    """Random experts and blocks as ``_grouped_experts_forward`` lays them out: 4 experts' consecutive blocks
-    (expert 2 has none), then two blocks past the last expert's end. (params, x, block_expert, block_end)."""
-    rng = np.random.default_rng(seed)
-    params = tuple(jnp.asarray(rng.standard_normal(shape) / 3, jnp.float32)
-                   for shape in ((4, d, h), (4, h), (4, h, o), (4, o)))
-    block_end = jnp.asarray([2, 5, 5, 7], jnp.int32)
-    block_expert = jnp.asarray([0, 0, 1, 1, 1, 3, 3, 3, 3], jnp.int32)[:blocks]
-    x = jnp.asarray(rng.standard_normal((blocks, rows, d)), jnp.float32)
-    return params, x, block_expert, block_end
-
-
 def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients():
     """The same products expert by expert: bitwise the block-by-block outputs up to the last expert's end,
     zeros past it (padding, whose rows carry zero weight), and the same gradients, also through a batched
     ``lax.map`` (where a custom-vjp output's batch axis must be the same in its primal and forward rule)."""
-    params, x, block_expert, block_end = _expert_blocks_case()
+    # Blocks as ``_grouped_experts_forward`` lays them out: 4 experts' consecutive blocks (expert 2 has none),
+    # then two blocks past the last expert's end.
+    rng = np.random.default_rng(11)
+    params = tuple(jnp.asarray(rng.standard_normal(shape) / 3, jnp.float32)
+                   for shape in ((4, 8, 24), (4, 24), (4, 24, 6), (4, 6)))
+    block_end = jnp.asarray([2, 5, 5, 7], jnp.int32)
+    block_expert = jnp.asarray([0, 0, 1, 1, 1, 3, 3, 3, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((9, 16, 8)), jnp.float32)
     looped = jax.jit(M.mlp_expert_blocks)(*params, x, block_expert)
     by_expert = jax.jit(M.mlp_expert_blocks_by_expert)(*params, x, block_expert, block_end)
     np.testing.assert_array_equal(np.asarray(by_expert[:7]), np.asarray(looped[:7]))

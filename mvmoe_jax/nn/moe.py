@@ -658,16 +658,16 @@ def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_i
         gathered into a (blocks, d, h) copy, which at thousands of units cost more than the products."""
         h, e = args
         if mlp is not None:
-            return _mlp_block(*mlp, h, e, dtype, precision)[0]
+            return _mlp_block(*(p[e] for p in mlp), h, dtype, precision)[0]
         w, b = jnp.asarray(params["w"])[e].astype(dtype), jnp.asarray(params["b"])[e].astype(dtype)
         return jnp.matmul(h, w, precision=precision) + b
 
-    if mlp is not None and not _BLOCKS_AS_ONE_PRODUCT.get() and by_expert:
-        # Each expert's blocks are consecutive and end at its padded end.
-        out = mlp_expert_blocks_by_expert(*mlp, x, block_expert, (padded_end // block).astype(jnp.int32), dtype,
-                                          precision)
-    elif mlp is not None and not _BLOCKS_AS_ONE_PRODUCT.get():
-        out = mlp_expert_blocks(*mlp, x, block_expert, dtype, precision)
+    if mlp is not None and not _BLOCKS_AS_ONE_PRODUCT.get():
+        if by_expert:        # each expert's blocks are consecutive and end at its padded end
+            out = mlp_expert_blocks_by_expert(*mlp, x, block_expert, (padded_end // block).astype(jnp.int32),
+                                              dtype, precision)
+        else:
+            out = mlp_expert_blocks(*mlp, x, block_expert, dtype, precision)
     else:
         out = jax.lax.map(run_block, (x, block_expert),
                           batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
@@ -697,15 +697,19 @@ def mlp_expert_blocks(w1: Array, b1: Array, w2: Array, b2: Array, x: Array, bloc
     return _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision)[0]
 
 
-def _mlp_block(w1, b1, w2, b2, xb, e, dtype, precision):
-    """One block (rows, d) through expert ``e``'s MLP: (output (rows, o), hidden layer (rows, h))."""
-    hidden = jax.nn.relu(jnp.matmul(xb.astype(dtype), w1[e].astype(dtype), precision=precision)
-                         + b1[e].astype(dtype))
-    return jnp.matmul(hidden, w2[e].astype(dtype), precision=precision) + b2[e].astype(dtype), hidden
+def _mlp_block(w1, b1, w2, b2, xb, dtype, precision):
+    """One block (rows, d) through one expert's MLP (w1 (d, h), b1 (h,), w2 (h, o), b2 (o,)): (output
+    (rows, o), hidden layer (rows, h))."""
+    hidden = jax.nn.relu(jnp.matmul(xb.astype(dtype), w1.astype(dtype), precision=precision) + b1.astype(dtype))
+    return jnp.matmul(hidden, w2.astype(dtype), precision=precision) + b2.astype(dtype), hidden
 
 
 def _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision):
-    out, hidden = jax.lax.map(lambda a: _mlp_block(w1, b1, w2, b2, *a, dtype, precision), (x, block_expert))
+    def run_block(args):
+        xb, e = args
+        return _mlp_block(w1[e], b1[e], w2[e], b2[e], xb, dtype, precision)
+
+    out, hidden = jax.lax.map(run_block, (x, block_expert))
     return out, (w1, w2, x, hidden, block_expert)
 
 
@@ -763,10 +767,11 @@ def mlp_expert_blocks_by_expert(w1: Array, b1: Array, w2: Array, b2: Array, x: A
     them once per expert and the blocks past the last expert's padding are not run. Whole greedy x8 calls
     (both forms compiled in one process, alternating, identical tours; 2026-12-02, the 2-core AVX-512 Xeon
     model 167): MVMoE/4E at n = 50, batch 64 -53 ms (standard error 12) and -44 (12) of ~1.55 s, MVMoE/4E-L
-    -64 (7) of 1.58 s, one n = 100 instance (blocks of 32) -6.7 ms (2.0) of 121. Writing out the hidden layer as well (the residual the backward pass
-    needs) made the same call 131 ms slower, so it is written only by the forward rule, under
-    differentiation; the result keeps its batch axis where the primal puts it, since both carry the
-    output through the same loops (see ``attention.normalises_after_product`` for why that matters).
+    -64 (7) of 1.58 s, one n = 100 instance (blocks of 32) -6.7 ms (2.0) of 121. Writing out the hidden
+    layer as well (the residual the backward pass needs) made the same call 131 ms slower, so it is written
+    only by the forward rule, under differentiation. The result keeps its batch axis where the primal puts
+    it, since both carry the output through the same loops (see ``attention.normalises_after_product`` for
+    why that matters).
     """
     return _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidden=False)[0]
 
@@ -784,19 +789,13 @@ def _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidde
         *weights, end = args
 
         def run_block(i, buffers):
-            results = _mlp_block_with(*weights, x[i], dtype, precision)
+            results = _mlp_block(*weights, x[i], dtype, precision)
             return [buf.at[i].set(r) for buf, r in zip(buffers, results)]
 
         return (jax.lax.fori_loop(start, end, run_block, buffers), end), None
 
     (buffers, _), _ = jax.lax.scan(expert, (buffers, jnp.zeros_like(block_end[0])), (w1, b1, w2, b2, block_end))
     return buffers[0], (buffers[1] if keep_hidden else None)
-
-
-def _mlp_block_with(w1, b1, w2, b2, xb, dtype, precision):
-    """One block (rows, d) through one expert's MLP, its weights given (w1 (d, h), b1 (h,), w2 (h, o), b2 (o,)):
-    (output (rows, o), hidden layer (rows, h)), as ``_mlp_block``."""
-    return _mlp_block(w1[None], b1[None], w2[None], b2[None], xb, 0, dtype, precision)
 
 
 def _mlp_expert_blocks_by_expert_fwd(w1, b1, w2, b2, x, block_expert, block_end, dtype, precision):
