@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from mvmoe_jax import devices, env, instances, rollout, training
+from mvmoe_jax import devices, env, instances, reductions, rollout, training
 from mvmoe_jax.nn import attention
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
@@ -324,6 +324,29 @@ def test_first_argmax_agrees_with_argmax_on_ties_and_masked_nodes():
     np.testing.assert_array_equal(rollout.first_argmax(wide), jnp.argmax(wide, axis=-1))
     flags = jnp.array([[False, True, True], [False, False, False], [True, False, True]])
     np.testing.assert_array_equal(rollout.first_true(flags), [1, 3, 0])      # N where none
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_first_argmax_and_first_true_in_lanes_equal_the_plain_reductions(monkeypatch, lanes):
+    """The greedy choice and sampling's first index, with their reductions in lanes (``reductions``) or plain,
+    against ``jnp.argmax`` on rows of every width around the lanes' multiples, with ties, masked (-inf) nodes,
+    rows masked whole and rows with a NaN."""
+    monkeypatch.setattr(reductions, "LANE_REDUCTIONS", lanes)
+    for width in (31, 32, 33, 47, 48, 51, 101, 201):
+        x = jnp.round(jax.random.normal(jax.random.key(width), (3, 40, width)) * 2)
+        x = jnp.where(jax.random.uniform(jax.random.key(width + 1), x.shape) < 0.4, -jnp.inf, x)
+        x = x.at[0, 0].set(-jnp.inf).at[0, 1, width - 1].set(jnp.nan)
+        want = jnp.argmax(x, axis=-1).at[0, 1].set(width)           # a NaN row: no entry equals its maximum
+        got = jax.jit(rollout.first_argmax)(x)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == jnp.int32
+        flags = x > 2
+        want_first = jnp.where(flags.any(-1), jnp.argmax(flags, axis=-1), width)
+        np.testing.assert_array_equal(jax.jit(rollout.first_true)(flags), want_first)
+    for op, plain in ((jnp.maximum, jnp.max), (jnp.minimum, jnp.min)):
+        x = jax.random.normal(jax.random.key(0), (5, 101))
+        np.testing.assert_array_equal(reductions.lane_reduce(x, op), plain(x, axis=-1, keepdims=True))
+    assert reductions.reduces_in_lanes(101) == lanes and not reductions.reduces_in_lanes(31)
 
 
 def test_greedy_rollout_without_log_likelihood_decodes_the_same_tours():
