@@ -389,7 +389,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     decode one after another.
     MVMoE-L's dense-or-MoE probabilities come from the first step's attention pooled over all M instances
     (as the reference computes them over its batch): a first pass encodes every chunk and pools, the
-    second decodes from the stored encodings. With a ``mesh`` (one ``'data'`` axis) the chunks are dealt
+    second decodes from the stored node embeddings. With a ``mesh`` (one ``'data'`` axis) the chunks are dealt
     out over its devices, each running its own share one after another (padded to a whole number of
     chunks per device with copies of the first instance). Returns the (M, ...) output and the steps of
     each chunk (C,), padding chunks included.
@@ -414,15 +414,19 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
                          log_likelihood=False)
 
         def encode_group(g_chunks):
-            """The group's chunks encoded as one batch, the decoder's precomputation per chunk (its
-            instance-batched products prefer a chunk's size): (cache with a (group, chunk) lead, aux
-            (group,))."""
+            """The group's chunks encoded as one batch: (node embeddings (group, chunk, N, D), the encoder's
+            auxiliary loss shared out evenly over the chunks (group,); greedy evaluation does not report it)."""
             flat = jax.tree.map(lambda x: x.reshape((group * chunk,) + x.shape[2:]), g_chunks)
             emb, aux = encode_nodes(policy, params, flat, rng)
-            emb = emb.reshape((group, chunk) + emb.shape[1:])
-            cache = jax.lax.map(lambda e: policy.apply(params, e, method=Policy.precompute), emb)
-            # The encoder's auxiliary loss is shared out evenly; greedy evaluation does not report it.
-            return cache, jnp.full((group,), aux / group)
+            return emb.reshape((group, chunk) + emb.shape[1:]), jnp.full((group,), aux / group)
+
+        def precompute(emb):
+            """A chunk's decoder cache, computed where the chunk decodes. Stacked for a whole group (or, for
+            MVMoE-L, for all the device's chunks) instead, the caches were written out and read back per
+            chunk: measured on the 2-core AVX-512 Xeon (model 167, 2026-12-02; in-process A/Bs, identical
+            tours) at n = 50, batch 64, -45 ms (standard error 5) of MVMoE/4E's 1.24 s and -147 ms (27) of
+            MVMoE/4E-L's 1.29 s; POMO-MTL (one chunk a group) and the latency calls tied."""
+            return policy.apply(params, emb, method=Policy.precompute)
 
         def by_group(x):
             return x.reshape((num_local // group, group) + x.shape[1:])
@@ -432,33 +436,36 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
 
         if not policy.cfg.hierarchical:
             def encode_and_decode(g_chunks):
-                encoded = encode_group(g_chunks)
-                return jax.lax.map(lambda a: decode(a[0], encoded=a[1]), (g_chunks, encoded))
+                emb, aux = encode_group(g_chunks)
+                return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1]), a[2])),
+                                   (g_chunks, emb, aux))
 
             return jax.tree.map(by_chunk, jax.lax.map(encode_and_decode, jax.tree.map(by_group, chunks)))
 
         def encode_and_pool(args):
             g_chunks, g_real = args
-            encoded = encode_group(g_chunks)
+            emb, aux = encode_group(g_chunks)
 
             def pool(c_args):
-                c_inst, c_real, c_cache = c_args
+                c_inst, c_real, c_emb = c_args
                 states, _, _ = initial_states(c_inst, pomo_size)
                 # The query projected, not gathered from the tables: built in the same program, their
                 # construction was fused into this one-off gather, ~10x slower than a decoding step's (latency
-                # A/B on the 2-core Xeon, identical tours: -1.6 ms, standard error 0.7, of 112).
-                attn = policy.apply(params, c_cache.without_query_fusion(), states.current,
+                # A/B on the 2-core Xeon, identical tours: -1.6 ms, standard error 0.7, of 112). Only the keys
+                # and values of the cache are used here; XLA drops the rest.
+                attn = policy.apply(params, precompute(c_emb).without_query_fusion(), states.current,
                                     dynamic_features(states), env.batch_action_mask(states),
                                     method=Policy.decoder_attention)
                 return jnp.sum(jnp.where(c_real[:, None, None], attn, 0.0), axis=(0, 1))
 
-            return encoded, jax.lax.map(pool, (g_chunks, g_real, encoded[0]))
+            return (emb, aux), jax.lax.map(pool, (g_chunks, g_real, emb))
 
-        encoded, sums = jax.lax.map(encode_and_pool, (jax.tree.map(by_group, chunks), by_group(real)))
-        encoded = jax.tree.map(by_chunk, encoded)
+        (emb, aux), sums = jax.lax.map(encode_and_pool, (jax.tree.map(by_group, chunks), by_group(real)))
+        emb, aux = by_chunk(emb), by_chunk(aux)
         total = sums.sum((0, 1)) if mesh is None else jax.lax.psum(sums.sum((0, 1)), DATA_AXIS)
         probs = policy.apply(params, total / (m * starts_per_instance), method=Policy.hierarchical_gate_probs)
-        return jax.lax.map(lambda a: decode(a[0], encoded=a[1], gate_probs=probs), (chunks, encoded))
+        return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1]), a[2]), gate_probs=probs),
+                           (chunks, emb, aux))
 
     if mesh is None:
         outs = decode_chunks(params, chunks, real)
