@@ -43,9 +43,8 @@ def reduces_in_lanes(num_nodes: int) -> bool:
 
 def lane_reduce(x: jax.Array, op) -> jax.Array:
     """``x`` (..., N) reduced over its last axis by ``op`` (``jnp.maximum`` or ``jnp.minimum``), keeping the
-    axis: (..., 1). The full ``REDUCTION_LANES``-wide
-    slices are combined elementwise into one, whose lanes are then reduced, as is the remainder past the
-    last full slice."""
+    axis: (..., 1). The full ``REDUCTION_LANES``-wide slices are combined elementwise into one, whose lanes are
+    then reduced, as is the remainder past the last full slice."""
     reduce = _REDUCTIONS[op]
     lanes, n = REDUCTION_LANES, x.shape[-1]
     full = n // lanes
