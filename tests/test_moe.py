@@ -445,22 +445,26 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients():
+@pytest.mark.parametrize("out_dim", [6, 8])
+def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients(out_dim):
     """The same products expert by expert: bitwise the block-by-block outputs up to the last expert's end,
-    zeros past it (padding, whose rows carry zero weight), and the same gradients, also through a batched
-    ``lax.map`` (where a custom-vjp output's batch axis must be the same in its primal and forward rule)."""
+    past it zeros (padding, whose rows carry zero weight) or, computed in place (output width = input
+    width, out_dim 8), the inputs unchanged; the same gradients, also through a batched ``lax.map`` (where a
+    custom-vjp output's batch axis must be the same in its primal and forward rule)."""
     # Blocks as ``_grouped_experts_forward`` lays them out: 4 experts' consecutive blocks (expert 2 has none),
     # then two blocks past the last expert's end.
     rng = np.random.default_rng(11)
     params = tuple(jnp.asarray(rng.standard_normal(shape) / 3, jnp.float32)
-                   for shape in ((4, 8, 24), (4, 24), (4, 24, 6), (4, 6)))
+                   for shape in ((4, 8, 24), (4, 24), (4, 24, out_dim), (4, out_dim)))
     block_end = jnp.asarray([2, 5, 5, 7], jnp.int32)
     block_expert = jnp.asarray([0, 0, 1, 1, 1, 3, 3, 3, 3], jnp.int32)
     x = jnp.asarray(rng.standard_normal((9, 16, 8)), jnp.float32)
     looped = jax.jit(M.mlp_expert_blocks)(*params, x, block_expert)
     by_expert = jax.jit(M.mlp_expert_blocks_by_expert)(*params, x, block_expert, block_end)
     np.testing.assert_array_equal(np.asarray(by_expert[:7]), np.asarray(looped[:7]))
-    assert not np.asarray(by_expert[7:]).any() and np.asarray(looped[7:]).any()
+    past_the_end = np.asarray(x[7:]) if out_dim == 8 else np.zeros_like(np.asarray(looped[7:]))
+    np.testing.assert_array_equal(np.asarray(by_expert[7:]), past_the_end)
+    assert np.asarray(looped[7:]).any()
 
     # Cotangents only on the run blocks, as the weighting by the gates gives the padding.
     probe = jnp.asarray(np.random.default_rng(2).standard_normal(looped.shape), jnp.float32).at[7:].set(0.0)
@@ -491,6 +495,28 @@ def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients
     np.testing.assert_allclose(value, value_looped, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_looped)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_assignments_sums_each_units_weighted_active_slots():
+    """Each unit's active assignments, gathered from their slots and weighted, against a float64 loop. An
+    inactive assignment's slot may lie out of range (the grouped execution passes the sentinel L) and slots
+    no active assignment reads may hold anything, NaN included, without reaching the result."""
+    rng = np.random.default_rng(5)
+    out = rng.standard_normal((40, 2, 6)).astype(np.float32)
+    position = rng.integers(1, 39, (25, 3))                  # active assignments read slots 1..38
+    weights = rng.uniform(0.1, 1.0, (25, 3)).astype(np.float32)
+    active = rng.uniform(size=(25, 3)) > 0.3
+    active[0] = False                                        # a unit with nothing routed: zeros
+    position[~active] = 40                                   # the sentinel, out of range (clipped to 39)
+    out[[0, 39]] = np.nan                                    # unread slots: padding, blocks past the end
+    expected = np.zeros((25, 2, 6))
+    for u in range(25):
+        for j in range(3):
+            if active[u, j]:
+                expected[u] += weights[u, j] * out[position[u, j]].astype(np.float64)
+    got = np.asarray(jax.jit(M.combine_assignments)(out, position, weights, active))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    assert not got[0].any()
 
 
 def test_moe_layer_runs_its_experts_expert_by_expert_outside_training_only(monkeypatch):
