@@ -381,7 +381,7 @@ class GreedyResult:
 
 
 def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Array, pomo_size: int,
-                            chunk: int, mesh: Mesh | None = None) -> tuple[RolloutOutput, jax.Array]:
+                            chunk: int, mesh: Mesh | None = None) -> tuple[BestStarts, jax.Array]:
     """Greedy rollouts of M instances, ``chunk`` at a time (``lax.map``); same results as one rollout.
 
     Every chunk uses the same ``rng``, so step t draws the same keys in every chunk as in a single batch.
@@ -391,8 +391,8 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     (as the reference computes them over its batch): a first pass encodes every chunk and pools, the
     second decodes from the stored node embeddings. With a ``mesh`` (one ``'data'`` axis) the chunks are dealt
     out over its devices, each running its own share one after another (padded to a whole number of
-    chunks per device with copies of the first instance). Returns the (M, ...) output and the steps of
-    each chunk (C,), padding chunks included.
+    chunks per device with copies of the first instance). Returns each instance's best start
+    (``best_starts``, (M, ...)) and the steps of each chunk (C,), padding chunks included.
     """
     m = inst.locs.shape[0]
     num_devices = 1 if mesh is None else mesh.devices.size
@@ -467,19 +467,57 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
         return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1]), a[2]), gate_probs=probs),
                            (chunks, emb, aux))
 
-    if mesh is None:
+    def summarise_chunks(params, chunks, real):
+        """This device's chunks decoded, as packed best starts (C' x chunk, 3 + T) float32."""
         outs = decode_chunks(params, chunks, real)
+        rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), outs.replace(aux_loss=None, num_steps=None))
+        return pack_best_starts(best_starts(rows), jnp.repeat(outs.num_steps, chunk))
+
+    def gathered_summaries(params, chunks, real):
+        """Every device's packed summaries on every device, in one collective. After it the rest of the
+        program runs replicated; left to the partitioner, the reductions over the augmentations (spread over
+        the devices) took seven collectives of ~65 us each on the 2-core AVX-512 Xeon. In-process A/Bs of one
+        n = 100 instance x8, identical results: POMO-MTL -1.4 ms (standard error 0.6) and -0.4 (0.5) of ~58,
+        MVMoE/4E and MVMoE/4E-L ties."""
+        return jax.lax.all_gather(summarise_chunks(params, chunks, real), DATA_AXIS, tiled=True, to="invarying")
+
+    if mesh is None:
+        packed = summarise_chunks(params, chunks, real)
     else:
-        outs = jax.shard_map(decode_chunks, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
-                             out_specs=P(DATA_AXIS))(params, chunks, real)
+        packed = jax.shard_map(gathered_summaries, mesh=mesh, in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)),
+                               out_specs=P())(params, chunks, real)
+    best, row_steps = unpack_best_starts(packed)
+    return jax.tree.map(lambda x: x[:m], best), row_steps[::chunk]
 
-    def unchunk(x):
-        return x.reshape((num_chunks * chunk,) + x.shape[2:])[:m]
 
-    merged = outs.replace(actions=unchunk(outs.actions), log_likelihood=unchunk(outs.log_likelihood),
-                          cost=unchunk(outs.cost), valid=unchunk(outs.valid), finished=unchunk(outs.finished),
-                          aux_loss=outs.aux_loss.sum(), num_steps=outs.num_steps.max())
-    return merged, outs.num_steps
+@struct.dataclass
+class BestStarts:
+    """Per rollout row (an instance copy), M rows: cost (M,) the best over its starts (+inf when none is
+    valid), actions int32 (M, T) that start's (the first best), done bool (M,) every valid start finished."""
+
+    cost: jax.Array
+    actions: jax.Array
+    done: jax.Array
+
+
+def best_starts(out: RolloutOutput) -> BestStarts:
+    """Each row's best start of a rollout's (M, P) output."""
+    best = jnp.argmin(out.cost, axis=-1)
+    actions = jnp.take_along_axis(out.actions, best[:, None, None], axis=1)[:, 0]
+    return BestStarts(cost=out.cost.min(-1), actions=actions, done=jnp.all(out.finished | ~out.valid, axis=-1))
+
+
+def pack_best_starts(best: BestStarts, steps: jax.Array) -> jax.Array:
+    """``best`` and the decoding steps of each row's chunk (M,) as one (M, 3 + T) float32 array, to move in
+    one collective: actions and steps are integers below 2^24, exact in float32."""
+    columns = [best.cost[:, None], best.done[:, None], steps[:, None], best.actions]
+    return jnp.concatenate([c.astype(jnp.float32) for c in columns], axis=-1)
+
+
+def unpack_best_starts(packed: jax.Array) -> tuple[BestStarts, jax.Array]:
+    """(BestStarts, steps int32 (M,)) from ``pack_best_starts``' array."""
+    best = BestStarts(cost=packed[:, 0], actions=packed[:, 3:].astype(jnp.int32), done=packed[:, 1] > 0)
+    return best, packed[:, 2].astype(jnp.int32)
 
 
 def augmented_batch(inst: Instance) -> Instance:
@@ -580,17 +618,16 @@ def _greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, 
     if chunk == m:
         out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng,
                       log_likelihood=False)
-        chunk_steps = out.num_steps[None]
+        best, chunk_steps = best_starts(out), out.num_steps[None]
     else:
-        out, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk,
+        best, chunk_steps = _chunked_greedy_rollout(policy, params, flat, rng, pomo_size, chunk,
                                                     mesh if num_devices > 1 else None)
-    cost = out.cost.reshape(-1, b, out.cost.shape[-1])        # (A, B, P)
-    no_aug = cost[0].min(-1)
-    per_aug = cost.transpose(1, 0, 2).reshape(b, -1)          # (B, A*P)
-    best = jnp.argmin(per_aug, axis=-1)
-    acts = out.actions.reshape((-1, b) + out.actions.shape[1:]).transpose(1, 0, 2, 3)
-    acts = acts.reshape(b, -1, acts.shape[-1])
-    best_actions = jnp.take_along_axis(acts, best[:, None, None], axis=1)[:, 0]
-    done = (out.finished | ~out.valid).reshape(-1, b, out.cost.shape[-1]).all(axis=(0, 2))
-    return GreedyResult(obj_no_aug=no_aug, obj=per_aug.min(-1), best_actions=best_actions, all_finished=done,
-                        num_steps=out.num_steps, chunk_steps=chunk_steps)
+    # Rows are augmentation-major: (A, B). The best augmentation is the first with the lowest cost, and its
+    # best start the first there: the first minimum over (augmentation, start) in that order.
+    cost = best.cost.reshape(-1, b)
+    best_aug = jnp.argmin(cost, axis=0)
+    actions = best.actions.reshape(-1, b, best.actions.shape[-1])
+    best_actions = jnp.take_along_axis(actions, best_aug[None, :, None], axis=0)[0]
+    return GreedyResult(obj_no_aug=cost[0], obj=cost.min(0), best_actions=best_actions,
+                        all_finished=best.done.reshape(-1, b).all(0), num_steps=chunk_steps.max(),
+                        chunk_steps=chunk_steps)
