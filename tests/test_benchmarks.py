@@ -48,6 +48,9 @@ def test_throughput_contract(tmp_path):
     assert res["flops_per_instance"] > 0 and 0 < res["fraction_of_matmul_peak"]
     assert res["seconds_over_flop_limit"] == pytest.approx(
         res["seconds"] * res["matmul_peak_gflops"] * 1e9 / (res["flops_per_instance"] * res["batch"]))
+    # Held to the highest peak measured in the run: at its start or after the workload.
+    assert res["matmul_peak_gflops"] == max(res["matmul_peak_gflops_at_start"],
+                                            res["matmul_peak_gflops_after_workload"])
     # The model's FLOPs (query projection and head combination at every step) exceed what the program runs
     # with its per-rollout precomputations.
     assert 0 < res["executed_flops_per_instance"] < res["flops_per_instance"]
@@ -250,6 +253,21 @@ def test_per_step_speedup_normalises_by_decoding_steps():
     assert throughput.per_step_speedup(ours, peer) == pytest.approx((3.0 / 50) / (2.0 / 62))
     assert throughput.per_step_speedup({"seconds": 1.0, "decode_steps": 40},
                                        {"seconds": 1.0, "decode_steps": 80}) == pytest.approx(0.5)
+
+
+def test_every_workload_is_held_to_the_runs_highest_matmul_peak():
+    """The FLOP limit of every row comes from the highest peak of the run, also where a later measurement
+    raised it; rows without FLOPs (training) only record the peak."""
+    throughput = _benchmarks_module("throughput")
+    rows = [{"batch": 64, "seconds": 1.2, "flops_per_instance": 5e9, "achieved_gflops": 5e9 * 64 / 1.2 / 1e9},
+            {"batch": 1, "seconds": 0.05, "step_seconds": 0.05}]
+    throughput.hold_to_peak(rows, 300.0)
+    assert rows[0]["seconds_over_flop_limit"] == pytest.approx(1.2 / (5e9 * 64 / 300e9))
+    throughput.hold_to_peak(rows, 360.0)
+    assert rows[0]["flop_limit_seconds"] == pytest.approx(5e9 * 64 / 360e9)
+    assert rows[0]["seconds_over_flop_limit"] == pytest.approx(1.2 * 360e9 / (5e9 * 64))
+    assert rows[0]["fraction_of_matmul_peak"] == pytest.approx(5e9 * 64 / 1.2 / 360e9)
+    assert rows[1]["matmul_peak_gflops"] == 360.0 and "seconds_over_flop_limit" not in rows[1]
 
 
 def test_rl4co_feasibility_check_runs_once_and_covers_rounds_with_the_same_tours(monkeypatch):
