@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO_ROOT
 from mvmoe_jax import devices, env, instances, reductions, rollout, training
 from mvmoe_jax.nn import attention
+from mvmoe_jax.nn import policy as policy_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 N = 20
@@ -797,3 +798,33 @@ def test_cache_without_query_fusion_projects_the_same_attention():
     attn = [policy.apply(params, c, states.current, dyn, mask, method=Policy.decoder_attention)
             for c in (fused, projected)]
     np.testing.assert_allclose(attn[1], attn[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", ["mvmoe", "mvmoe_light"])
+def test_readout_maps_mixed_elementwise_give_the_products_log_probabilities(monkeypatch, model):
+    """The gated readout's per-map scores mixed by a written-out sum (``mixes_maps_elementwise``) give the
+    log-probabilities of the (1 x M) @ (M x N) product, two steps into a rollout with varied routing."""
+    cfg = small_config(model)
+    params = perturbed_params(cfg)
+    inst = mixed_batch(8)
+    policy = Policy(cfg)
+    states, mask, dyn = states_two_moves_in(inst)
+    emb, _ = rollout.encode_nodes(policy, params, inst, jax.random.key(0))
+    cache = policy.apply(params, emb, method=Policy.precompute)
+    outs = []
+    for elementwise in (True, False):
+        monkeypatch.setattr(policy_lib, "MIX_MAPS_ELEMENTWISE", elementwise)
+        outs.append(np.asarray(policy.apply(params, cache, states.current, dyn, mask, None, False,
+                                            method=Policy.decode, rngs={"gating": jax.random.key(3)})[0]))
+    finite = np.isfinite(outs[1])
+    assert finite.sum() > finite.size // 4
+    np.testing.assert_array_equal(np.isfinite(outs[0]), finite)
+    np.testing.assert_allclose(outs[0][finite], outs[1][finite], rtol=1e-6, atol=1e-6)
+
+
+def test_readout_maps_mixed_elementwise_on_a_cpu_outside_training_by_default(monkeypatch):
+    monkeypatch.setattr(policy_lib, "MIX_MAPS_ELEMENTWISE", None)
+    assert policy_lib.mixes_maps_elementwise(train=False) == (jax.default_backend() == "cpu")
+    assert not policy_lib.mixes_maps_elementwise(train=True)
+    monkeypatch.setattr(policy_lib, "MIX_MAPS_ELEMENTWISE", True)
+    assert policy_lib.mixes_maps_elementwise(train=True)
