@@ -140,6 +140,31 @@ def test_top_k_gates_tiny_example():
     np.testing.assert_allclose(tg, [np_softmax(np.array([6.0, 4.0]))], rtol=1e-6)
 
 
+@pytest.mark.parametrize("num_experts,k,temperature", [(4, 2, 1.0), (4, 1, 1.0), (8, 2, 0.5), (3, 2, 2.0)])
+def test_gates_by_rank_equal_the_top_k_gates(num_experts, k, temperature):
+    """The elementwise gates choose the same experts as ``top_k_gates`` (ties: lower index first) with the same
+    values, to the last bit of the exponential."""
+    x = jax.random.normal(jax.random.key(0), (400, num_experts)) * 3
+    x = x.at[:60].set(jnp.round(x[:60]) + 0.0)         # many exact ties
+    x = x.at[60].set(0.0)                              # a row of equal values
+    want = np.asarray(jax.jit(lambda x: M.top_k_gates(x, k, temperature)[0])(x))
+    got = np.asarray(jax.jit(lambda x: M.gates_by_rank(x, k, temperature))(x))
+    np.testing.assert_array_equal(got > 0, want > 0)
+    assert ((got > 0).sum(-1) == k).all()
+    np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
+    np.testing.assert_array_equal(np.asarray(M.top_k_gates(x, k, temperature, by_rank=True)[0]), got)
+
+
+def test_gates_by_rank_refuse_more_than_two_experts_and_are_the_cpus_choice_outside_training(monkeypatch):
+    with pytest.raises(ValueError, match="top-1 and top-2"):
+        M.gates_by_rank(jnp.zeros((2, 4)), 3)
+    monkeypatch.setattr(M, "GATES_BY_RANK", None)
+    assert M.uses_gates_by_rank(2, train=False) == (jax.default_backend() == "cpu")
+    assert not M.uses_gates_by_rank(2, train=True) and not M.uses_gates_by_rank(3, train=False)
+    monkeypatch.setattr(M, "GATES_BY_RANK", True)
+    assert M.uses_gates_by_rank(1, train=True) and not M.uses_gates_by_rank(3, train=False)
+
+
 @pytest.mark.parametrize("num_experts,m", [(4, 3), (4, 2), (8, 3), (3, 3)])
 def test_small_top_k_equals_lax_top_k_with_ties_and_gradients(num_experts, m):
     """The argmax passes give lax.top_k's values, indices (ties: lower index first) and gradients."""
