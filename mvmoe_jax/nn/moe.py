@@ -367,8 +367,9 @@ def uses_gates_by_rank(k: int, train: bool) -> bool:
     overrides, for k <= 2): on a CPU, outside training, for k <= 2. Only callers that read the dense gates pay
     for either form (MVMoE's decoder, whose readout mixes its maps by them); the grouped execution reads the
     chosen indices. Measured on the 2-core AVX-512 Xeon (model 167, 2026-12-03), the same programs both ways in
-    one process, calls alternating, identical tours: MVMoE/4E at n = 50, batch 64 -4.8 ms (standard error 2.0)
-    of 1.12 s over 30 calls each. Training keeps the one-hot product, whose backward pass was measured with
+    one process, calls alternating, identical tours: MVMoE/4E at n = 50, batch 64 -8.3 ms (standard error 1.4)
+    of 1.11 s over 30 calls each, MVMoE/4E-L -14 ms (6.0) of 1.09 s; one n = 100 instance x8, MVMoE/4E -0.7 ms
+    (0.5), a tie. Training keeps the one-hot product, whose backward pass was measured with
     it; accelerators keep it too."""
     if k > 2:
         return False
@@ -384,9 +385,9 @@ def gates_by_rank(logits: Array, k: int, temperature: float = 1.0) -> Array:
     over the top k computes it (its division too, as a product with the reciprocal of the sum).
 
     Why: the top-k passes, their gathers, the softmax and the one-hot product are ~10 small operations per
-    decoding step; this is one loop, which XLA:CPU also fuses with what reads the gates. The gates agree with
-    ``top_k_gates``'s to the last bit of the exponential (XLA's and YNNPACK's differ by an ulp, and which
-    one runs depends on the fusion). With k > 2 the sum's order would depend on the ranks: not offered."""
+    decoding step; these are elementwise, and XLA:CPU runs them as 5 small loops a step in MVMoE/4E's decoder.
+    The gates agree with ``top_k_gates``'s to the last bit of the exponential (XLA's and YNNPACK's differ by an
+    ulp, and which one runs depends on the fusion). With k > 2 the sum's order would depend on the ranks: not offered."""
     if k > 2:
         raise ValueError(f"gates_by_rank handles top-1 and top-2 gating, got k = {k}")
     cols = [logits[:, j] for j in range(logits.shape[-1])]
