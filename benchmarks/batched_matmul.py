@@ -1,5 +1,5 @@
 """How fast XLA on this machine runs the matrix products a decoding step is made of, against one plain product
-of the same FLOPs: the evidence behind docs/performance-log.md's account of where a CPU training step goes.
+of the same FLOPs: the evidence behind docs/performance.md's account of where a CPU decoding step goes.
 
 A decoding step's products are instance-batched (each instance has its own keys, values and readout) and, in
 the attention, per head with a head width of 16. Prints a markdown table of GFLOP/s per shape and writes JSON.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Prepares what benchmarks/gpu_session.sh needs on a GPU machine that has no network and no ../shared:
+# Prepares what benchmarks/gpu_benchmarks.sh needs on a GPU machine that has no network and no ../shared:
 #   .gpu/torch-reference   the reference fixtures (trained weights, parity data) from ../shared
 #   .gpu/Routing-MVMoE     the authors' code, copied from AUTHORS_CODE (a local checkout; not committed)
 #   .whl/                  wheels of pure-Python dependencies the GPU image lacks (ml_collections)
-# Both folders are git-ignored; the device tool takes them with carry=[".gpu", ".whl"], and the command there is
+# Both folders are git-ignored; copy them to the GPU machine with the working tree, and run there
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
-#   PYTHONPATH=$PWD:/tmp/site bash benchmarks/gpu_session.sh $OUT
+#   PYTHONPATH=$PWD:/tmp/site bash benchmarks/gpu_benchmarks.sh $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 AUTHORS_CODE=${AUTHORS_CODE:-${MVMOE_AUTHORS_CODE:-}}

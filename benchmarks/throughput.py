@@ -19,8 +19,8 @@ which is reported separately. FLOPs are the model's, from XLA's cost analysis of
 through its k chosen experts only), with the encoder and one decoding step costed at the sizes the program
 runs them and multiplied by the chunks and the steps each chunk ran (XLA counts a ``while_loop`` body once).
 The FLOP limit is those FLOPs at the matmul peak: the highest rate measured in the same run (at its start and
-after every workload), which every workload of the run is held to (before session 39 of 2026-12-02, each
-workload was held to the highest rate measured up to and right after it). ``executed_flops_per_instance``
+after every workload), which every workload of the run is held to (result files from before 2026-12-03
+held each workload to the highest rate measured up to and right after it). ``executed_flops_per_instance``
 counts what the compiled program runs instead (fewer: the precomputed query scores and readout trade per-step
 products for per-rollout ones, and the grouped MoE skips unchosen experts; more where the dense MoE computes
 every expert).

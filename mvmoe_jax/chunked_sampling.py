@@ -47,7 +47,7 @@ def sampling_chunk_size(cfg: PolicyConfig, pomo_size: int, per_device_batch: int
     a CPU the largest divisor of that share within ``rollout.cpu_chunk_instances`` (about 100 trajectories,
     as inference's chunks); None (decode the whole share at once) on
     accelerators, whose throughput grows with the batch, for MVMoE-L (see the module docstring) and where one
-    chunk would be the whole share. Measured on a 2-core CPU: docs/performance-log.md, "Session 31"."""
+    chunk would be the whole share. See docs/performance.md, "Chunked sampling"."""
     if platform != "cpu" or cfg.hierarchical or per_device_batch < 1:
         return None
     chunk = largest_divisor_at_most(cpu_chunk_instances(pomo_size), per_device_batch)

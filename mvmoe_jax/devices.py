@@ -3,11 +3,9 @@
 needs on each.
 
 Why split a CPU: a decoding step is many small operations. XLA:CPU runs one program's operations one
-after another, each spread over the cores, and the cores wait on each other between them; on a 2-core
-machine a greedy rollout kept them ~1.7 of 2 busy. Presented as two devices, the cores each run their
-own share of the batch (their own decoding loop) with nothing to wait for: measured on a 2-core Xeon,
-greedy x8 evaluation of 64 instances at n = 50 ran 1.4-1.9x faster (identical results) and a MVMoE/4E
-training step 1.2-1.3x faster (benchmarks/throughput.py, ``--cpu_devices``; docs/performance-log.md).
+after another, each spread over the cores, and the cores wait on each other between them. Presented as
+separate devices, the cores each run their own share of the batch (their own decoding loop) with nothing
+to wait for, with identical results (see docs/performance.md, "Cores as devices").
 """
 
 from __future__ import annotations
@@ -61,12 +59,9 @@ def xla_flags_with_wide_vectors(flags: str, avx512: bool) -> str:
     """``flags`` (an ``XLA_FLAGS`` value) asking XLA:CPU for 512-bit vectors in the loops it generates,
     where the CPU has AVX-512 (``avx512``) and ``flags`` choose no width themselves; otherwise unchanged.
 
-    XLA:CPU prefers 256-bit vectors by default, even on AVX-512 CPUs. On a 2-core AVX-512 Xeon, with the
-    same program compiled both ways in one process and calls alternating (identical objectives and tours):
-    one n = 100 instance greedy x8 (30 pairs) took 3.8 ms less for MVMoE/4E (standard error 0.8, of 145 ms),
-    4.3 (0.7) for MVMoE/4E-L and 2.3 (0.9) for POMO-MTL; 64 instances at n = 50 (8 pairs) 11 (8) and 20 (8)
-    ms less of 1.9 and 1.2 s; a MVMoE/4E training step 0.16 (0.12) ms less per decoding step, of 20. The
-    decoding step's many small elementwise fusions (masks, score gathers, normalisations) are what gain.
+    XLA:CPU prefers 256-bit vectors by default, even on AVX-512 CPUs; the decoding step's many small
+    elementwise fusions (masks, score gathers, normalisations) run faster with 512-bit ones (see
+    docs/performance.md, "512-bit vectors").
     """
     if not avx512 or _VECTOR_WIDTH_FLAG in flags:
         return flags

@@ -1,6 +1,6 @@
 """Pure-functional environment for all 16 variants, written for ONE partial solution.
 
-The behaviour is that of ``shared/docs/ENV_SEMANTICS.md`` (the reference implementation's masks and
+The behaviour is that of ``docs/environment.md`` (the reference implementation's masks and
 costs, float32, eps = 1e-5). Variant flags live in the instance as arrays, so one compiled function
 serves every variant; ``jax.vmap`` lifts the functions over POMO starts and the batch (see the
 ``batch_*`` forms below, which share the instance across the POMO axis instead of copying it).
@@ -25,7 +25,7 @@ from mvmoe_jax.instances import Instance
 
 EPS = 1e-5
 
-# Feasibility rules, in the order of ENV_SEMANTICS.md; ``violations`` returns one row per rule.
+# Feasibility rules, in the order of docs/environment.md; ``violations`` returns one row per rule.
 RULES = ("visited", "capacity", "backhaul_overload", "route_limit", "time_window", "depot_closing",
          "finished")
 
@@ -61,18 +61,16 @@ class State:
 
 def distance_matrix(locs: jax.Array) -> jax.Array:
     """(n+1, n+1) Euclidean distances, row i from node i, each computed as the reference does for one
-    move (``sqrt(dx^2 + dy^2)``, every operation rounded to float32). A decoding step reads rows of it:
-    recomputing the distances from the current node at every step measured as one of the largest costs of
-    a CPU decoding step.
+    move (``sqrt(dx^2 + dy^2)``, every operation rounded to float32). A decoding step reads rows of it
+    rather than recomputing the distances from the current node, a minor-axis reduction that XLA:CPU runs
+    slowly (see docs/performance.md, "Distance matrix").
 
     Why not ``sqrt(sum(diff ** 2, axis=-1))`` or ``sqrt(dx * dx + dy * dy)``: XLA:CPU contracts a square
     and the sum into a fused multiply-add wherever its own loop emitter compiles them (every size for the
     second form, n = 20 for the first), which rounds once where the reference rounds twice (distances 1 ulp
     off). The squares pass through an integer XOR with a zero that XLA and LLVM cannot see is zero
     (``isnan`` of the first coordinate; validated instances have none), which keeps each one rounded:
-    bitwise the reference's at every size. It is also faster in isolation (5 against 68 us at n = 100 on
-    one Xeon core, where the first form's minor-axis reduction goes to YNNPACK), a tie inside a latency
-    call (in-process A/B, 40 calls: +0.07 ms, standard error 0.5, of 83)."""
+    bitwise the reference's at every size, and no slower than the first form."""
     x, y = locs[..., 0], locs[..., 1]
     dx = x[..., None, :] - x[..., :, None]
     dy = y[..., None, :] - y[..., :, None]

@@ -2,16 +2,10 @@
 
 Why: XLA:CPU allocates a program's temporary buffers afresh at every execution (hundreds of MB for a
 training step), and glibc serves blocks that large with a new ``mmap`` each time, so every 4 KiB page of
-them is faulted in and zeroed again on every step. Measured on a 2-core EPYC (MVMoE/4E, n = 50, batch 64,
-one training step as one program): ~190,000 minor page faults and 0.6 s of system time per step. With
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc asks the kernel for transparent huge pages (2 MiB) for
-those blocks: ~2,000 faults, 0.12 s of system time, and fewer TLB misses; the step took 3.29-3.50 s
-against 3.88-4.96 s (6 steps each, alternating processes). POMO-MTL's step (half the buffers) faulted
-~90,000 times without it and ran no faster with it. Inference too: MVMoE/4E's greedy x8 evaluation of 64
-n = 50 instances (126 MB of temporaries per device) faulted ~60,000 times a call and spent 0.10-0.13 s of
-system time, with the tunable ~900 times and 0.03 s; on the 2-core AVX-512 Xeon (model 167) four pairs of
-alternating processes gave medians 40 ms lower of ~1.6 s for MVMoE/4E and 45 ms for MVMoE/4E-L, a tie for
-POMO-MTL (6 MB of temporaries), and one n = 100 instance faults under 1,000 times a call either way.
+them is faulted in and zeroed again on every call. With ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` malloc
+asks the kernel for transparent huge pages (2 MiB) for those blocks: far fewer page faults, less system
+time and fewer TLB misses, for training steps and large inference calls alike; programs with small
+temporaries neither gain nor lose (see docs/performance.md, "Huge pages").
 
 glibc reads its tunables once, when a process starts, so the setting cannot be made from inside a running
 interpreter: ``restart_with_huge_pages`` re-executes the command with it (train.py, evaluate.py and the

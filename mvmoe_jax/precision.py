@@ -1,13 +1,9 @@
 """Matmul precision of the float32 models: full float32 for evaluation, TF32 allowed for training.
 
 JAX computes float32 matmuls on recent NVIDIA GPUs in TF32 (10-bit mantissa inputs) unless told otherwise;
-torch, and so the original implementation, computes them in full float32. Measured on an H200 (1,000 CVRP
-instances of n = 100, MVMoE/4E, greedy x8; benchmarks/results/gpu_h200_2026-11-27):
-
-- float32: 1.82 s, mean objective 19.932232, the same as the original PyTorch code on the same instances
-  and weights; the per-instance parity tests against the original implementation pass.
-- tensorfloat32: 1.31 s (1.38x faster), mean objective 19.924723 (0.04 % off); 96-97 % of instances
-  within 1e-4 of the original implementation's greedy cost, under the parity tests' 98 % bar.
+torch, and so the original implementation, computes them in full float32. On a GPU, full float32 gives
+the original implementation's objectives (the per-instance parity tests pass); TF32 is faster but moves
+them slightly, below the parity tests' bar (see docs/performance.md, "Matmul precision on a GPU").
 
 Hence evaluation runs in full float32 by default (``config.eval_matmul_precision``, ``evaluate.py
 --matmul_precision``) and training, whose sampled rollouts need speed more than bit-level agreement, allows

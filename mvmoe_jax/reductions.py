@@ -4,11 +4,7 @@ sampling's first node past its threshold (``rollout.first_argmax``, ``rollout.fi
 XLA:CPU hands a maximum or minimum over a short last axis (a step's 51 or 101 nodes) to YNNPACK, which runs
 it at a fraction of its speed on long rows. Combining the row's 16-wide slices elementwise first (one loop
 that XLA vectorises) leaves a reduction over 16 lanes. Maxima and minima do not depend on the order they are
-taken in, so the results are the same.
-
-Measured and left out: the environment's all-visited and any-linehaul-left tests over a step's (100, 101)
-booleans in lanes, a tie in POMO-MTL's latency call (+0.32 ms, standard error 0.33, of 61; 120 calls
-alternating in one process, identical tours).
+taken in, so the results are the same (see docs/performance.md, "Lane reductions").
 """
 
 from __future__ import annotations
@@ -27,13 +23,9 @@ _REDUCTIONS = {jnp.maximum: jnp.max, jnp.minimum: jnp.min}
 
 def reduces_in_lanes(num_nodes: int) -> bool:
     """Whether a reduction over a last axis of ``num_nodes`` runs in lanes (``lane_reduce``;
-    ``LANE_REDUCTIONS`` overrides): on a CPU, for rows of at least two lanes (32 nodes).
-
-    Measured on one core of the 2-core AVX-512 Xeon (model 167, 2026-12-02), a greedy choice with its logit
-    clipping (``rollout.first_argmax``: a maximum, then a minimum over the indices that reach it) took 6.2
-    against 11.7 us for n = 100's (1, 100, 101) logits, 3.8 against 7.7 for n = 50's (2, 50, 51), 22 against
-    72 for (1, 200, 201), and 6.4 against 5.8 for n = 20's (5, 20, 21) (one lane and a remainder: hence the
-    threshold). Accelerators keep the plain reduction, the form their figures were measured with."""
+    ``LANE_REDUCTIONS`` overrides): on a CPU, for rows of at least two lanes (32 nodes); shorter rows, one
+    lane and a remainder, gain nothing (see docs/performance.md, "Lane reductions"). Accelerators keep the
+    plain reduction, the form their figures were measured with."""
     if num_nodes < 2 * REDUCTION_LANES:
         return False
     if LANE_REDUCTIONS is not None:

@@ -121,10 +121,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """int32 (...,): the index of the first maximum along the last axis of ``x`` (..., N), as ``jnp.argmax``.
 
     A max, then ``first_true`` over the entries that reach it: two plain reductions, which XLA:CPU
-    vectorises together with the elementwise work fused into them (the logit clipping's tanh). Measured
-    1.9x faster than argmax on a greedy step's clipped (16, 50, 51) logits with an int32 min; the float min
-    of ``first_true`` then took 1.6 ms (standard error 0.2) off POMO-MTL's 86 ms latency call (n = 100, one
-    instance) and 14 ms (4) off its 1.21 s at n = 50, batch 64 (2-core Xeon, in-process A/B, same tours).
+    vectorises together with the elementwise work fused into them (the logit clipping's tanh), where
+    argmax's two-operand reduction does not (see docs/performance.md, "Greedy choice without argmax").
     Both reductions run in lanes where ``reductions.reduces_in_lanes``.
     """
     return first_true(x == reductions.node_reduce(x, jnp.maximum)[..., None])
@@ -133,8 +131,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
 def sample_actions(key: jax.Array, logp: jax.Array, uniform: jax.Array | None = None) -> jax.Array:
     """One node per row drawn from ``exp(logp)`` (..., N) by inversion: int32 (...,).
 
-    One uniform per row instead of ``jax.random.categorical``'s Gumbel draw per node: measured 4x faster
-    for a decoding step of 64 x 50 trajectories at n = 50 on CPU. The prefix sums come from a product with
+    One uniform per row instead of ``jax.random.categorical``'s Gumbel draw per node, several times faster
+    on a CPU (see docs/performance.md, "Greedy choice without argmax"). The prefix sums come from a product with
     a triangular matrix; since rounding may leave them not exactly monotone, the draw takes the first
     node of positive probability whose prefix sum exceeds the threshold, so a masked node (probability 0)
     is never drawn. ``uniform``: the (...,) uniform draws ``key`` gives (``sampling_uniforms``), given.
@@ -240,9 +238,8 @@ def rollout(policy: Policy, params, inst: Instance, *, pomo_size: int, decode_ty
         buffers = write(buffers, 0, a0, record_0)
     else:
         # Otherwise the loop runs it: peeled, XLA:CPU fused the query fusion's table construction into that
-        # step's score gather, which then ran ~10x slower than the loop's (0.55 ms against 42 us for one n = 100
-        # instance; latency A/B on the 2-core Xeon, identical tours: POMO-MTL -1.3 ms (standard error 0.5) of
-        # 79, MVMoE/4E-L -1.8 ms (0.5) of 118, MVMoE/4E +0.8 (1.5) and -4.6 (1.2) of 121 in two runs).
+        # step's score gather, which then ran far slower than a step in the loop (see docs/performance.md,
+        # "Chunked greedy decoding").
         ll = jnp.zeros((b, p), jnp.float32)
         gate_probs = jnp.zeros((2,), jnp.float32) if gate_probs is None else gate_probs
         first_in_loop = 0
@@ -304,19 +301,10 @@ def decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | Non
     return given
 
 
-# On CPU a decoding step whose working set (attention scores and weights, masks, readout scores) stays in the
+# On a CPU a decoding step whose working set (attention scores and weights, masks, readout scores) stays in the
 # core's cache runs faster per trajectory than one over a whole augmented batch, while fewer, larger chunks pay
-# the per-step fixed costs less often. Measured on the 2-core Xeon with AVX-512 (CPU model 167, 2 MB of L2 per
-# core; 2026-12-01), the cores as two devices, every chunk size compiled in one process and called in turn
-# (8 rounds, identical tours for every size), medians relative to the earlier default of 800 trajectories:
-# - n = 50, 64 instances x8: 100 trajectories a chunk (2 instances) 0.904 / 0.914 / 0.927 for POMO-MTL / MVMoE/4E /
-#   MVMoE/4E-L, 200 (4) 0.898 / 0.934 / 0.947, 400 (8) 0.967 / 0.973 / 0.972, 50 (1) 1.024 / 0.986 / 1.000;
-# - n = 20, 64 instances x8: 100 trajectories (5 instances) 0.871 / 0.898 (POMO-MTL / MVMoE/4E), 200 0.850 /
-#   0.906, 400 0.883 / 0.930, 40 0.948 / 0.894;
-# - n = 100: one instance (100 trajectories) ran 1.2-1.4x faster than 8 (2026-11-27), and chunks of two or four
-#   instances were slower for the latency call in every session since.
-# Hence about 100 trajectories a chunk, never less than one instance. (On the machines measured before, an AMD
-# EPYC and a Xeon at 2.5 GHz, 200 to 800 trajectories tied at n = 50.)
+# the per-step fixed costs less often: about 100 trajectories a chunk, never less than one instance (see
+# docs/performance.md, "Chunked greedy decoding").
 CPU_TRAJECTORIES_PER_CHUNK = 100
 
 
@@ -337,16 +325,8 @@ def default_chunk_size(pomo_size: int) -> int | None:
 
 # An encoder whose MoE layers run grouped (moe.resolve_dispatch) runs on several decoding chunks at once:
 # the grouped blocks prefer thousands of tokens where a decoding step prefers a few hundred trajectories.
-# Measured on a 2-core CPU (MVMoE/4E, 512 augmented n = 50 instances over two devices): the encoder alone
-# took 1.54 s in calls of 16 instances (816 tokens), 1.33 s at 64, 1.05-1.07 s at 128 (6,528 tokens),
-# 1.15 s at 256; with the decoder's precomputation still per chunk, the whole workload 3.73 against 4.01 s
-# (min of 7 alternating runs). POMO-MTL's plain feed-forward layers gain nothing (1.96 against 1.75 s):
-# its encoder stays per chunk. Since the encoder's attention normalises after its value product and
-# inference runs under glibc's huge pages (host_memory.py), 3,264 tokens won over 6,528 (2-core AVX-512 Xeon
-# model 167, 2026-12-02, whole greedy x8 calls compiled both ways in one process, alternating, identical
-# tours): MVMoE/4E at n = 50, batch 64 -69 ms (standard error 17) and -55 (22) of ~1.55 s, -31 (15) without
-# the huge pages; MVMoE/4E-L -53 (21); MVMoE/4E at n = 100, batch 16 -124 (34) of 1.77 s; at n = 20, batch 64
-# -20 (10) of 354 ms. 1,632 against 3,264: +20 (20).
+# POMO-MTL's plain feed-forward layers gain nothing, so its encoder stays per chunk (see docs/performance.md,
+# "Encoder token groups").
 CPU_ENCODER_TOKENS = 3264
 
 
@@ -423,9 +403,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
         def precompute(emb):
             """A chunk's decoder cache, computed where the chunk decodes. Stacked for a whole group (or, for
             MVMoE-L, for all the device's chunks) instead, the caches were written out and read back per
-            chunk: measured on the 2-core AVX-512 Xeon (model 167, 2026-12-02; in-process A/Bs, identical
-            tours) at n = 50, batch 64, -45 ms (standard error 5) of MVMoE/4E's 1.24 s and -147 ms (27) of
-            MVMoE/4E-L's 1.29 s; POMO-MTL (one chunk a group) and the latency calls tied."""
+            chunk, which cost more (see docs/performance.md, "Chunked greedy decoding")."""
             return policy.apply(params, emb, method=Policy.precompute)
 
         def by_group(x):
@@ -450,9 +428,9 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
                 c_inst, c_real, c_emb = c_args
                 states, _, _ = initial_states(c_inst, pomo_size)
                 # The query projected, not gathered from the tables: built in the same program, their
-                # construction was fused into this one-off gather, ~10x slower than a decoding step's (latency
-                # A/B on the 2-core Xeon, identical tours: -1.6 ms, standard error 0.7, of 112). Only the keys
-                # and values of the cache are used here; XLA drops the rest.
+                # construction was fused into this one-off gather, far slower than a decoding step's (see
+                # docs/performance.md, "Chunked greedy decoding"). Only the keys and values of the cache are
+                # used here; XLA drops the rest.
                 attn = policy.apply(params, precompute(c_emb).without_query_fusion(), states.current,
                                     dynamic_features(states), env.batch_action_mask(states),
                                     method=Policy.decoder_attention)
@@ -476,9 +454,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     def gathered_summaries(params, chunks, real):
         """Every device's packed summaries on every device, in one collective. After it the rest of the
         program runs replicated; left to the partitioner, the reductions over the augmentations (spread over
-        the devices) took seven collectives of ~65 us each on the 2-core AVX-512 Xeon. In-process A/Bs of one
-        n = 100 instance x8, identical results: POMO-MTL -1.4 ms (standard error 0.6) and -0.4 (0.5) of ~58,
-        MVMoE/4E and MVMoE/4E-L ties."""
+        the devices) took seven collectives (see docs/performance.md, "One collective per evaluation")."""
         return jax.lax.all_gather(summarise_chunks(params, chunks, real), DATA_AXIS, tiled=True, to="invarying")
 
     if mesh is None:
@@ -592,9 +568,9 @@ def replicated(tree, num_devices: int | None = None):
     if mesh.devices.size == 1:
         return tree
     target = NamedSharding(mesh, P())
-    # Checked leaf by leaf rather than left to device_put, which took ~5 ms for MVMoE's 112 already-placed
-    # parameter arrays on a 2-core CPU (2% of a latency-sized evaluation: one n = 100 instance, x8), also
-    # when only the instances beside them needed placing.
+    # Checked leaf by leaf rather than left to device_put, which passed all of MVMoE's already-placed
+    # parameter arrays again whenever only the instances beside them needed placing, milliseconds a call (see
+    # docs/performance.md, "One collective per evaluation").
     leaves, treedef = jax.tree.flatten(tree)
     missing = [i for i, x in enumerate(leaves)
                if not (isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim))]

@@ -25,9 +25,8 @@ the stepwise backward one program, ``sample_and_train_step``, whose encoder pass
      (so only a handful of shapes ever compile). Since every step's inputs are known up front, the steps
      are independent: they run as one vmapped batch per chunk of ``replay_chunk`` steps (``lax.map``),
      which gives the accelerator large matmuls instead of T tiny sequential ones; ``replay_remat``
-     recomputes each chunk in the backward pass to bound memory. Measured slower than stepwise on both
-     backends: 3.7 against 1.9 s per step on a 2-core CPU (MVMoE/4E, n = 50, batch 32), and 0.374 against
-     0.301 s on an H200 (n = 100, batch 512, 77 against 11 GB of program memory).
+     recomputes each chunk in the backward pass to bound memory. Slower than stepwise on a CPU and on a
+     GPU, in several times the memory (see docs/performance.md, "Stepwise backward").
 
 Loss (reference ``Trainer._train_one_batch``): ``reward = -cost``; per instance the baseline is the mean
 reward over its valid POMO starts; ``loss = mean over valid (instance, start) of -(reward - baseline) *
@@ -166,10 +165,9 @@ def steps_run_per_device(cfg: PolicyConfig, mesh: Mesh | None) -> bool:
     loop over the sharded batch, which XLA synchronises at every step: an all-reduce of that step's
     decoder gradient, and with a decoder MoE one of its importance and load sums. Only for models whose
     decoding steps use no statistic of the whole batch (no MoE in the decoder, hence no MVMoE-L gate):
-    their gradient is the same either way, up to the order of float sums. POMO-MTL, n = 50, batch 64 over
-    two CPU cores, alternating steps in one process: medians 2.09 and 2.17 s against 2.30 and 2.28 s (8 and
-    10 steps; minima 2.01 and 1.88 against 2.11 and 2.12). The MoE models' decoders would need those
-    statistics passed in from the sampling pass to run per device exactly (docs/performance-log.md, Training)."""
+    their gradient is the same either way, up to the order of float sums. The MoE models' decoders would
+    need those statistics passed in from the sampling pass to run per device exactly, which was no faster
+    (see docs/performance.md, "Stepwise backward")."""
     return mesh is not None and mesh.devices.size > 1 and not cfg.moe_at("Dec")
 
 
@@ -261,11 +259,9 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
 
     With the query fusion (``cfg.fused_query``) each step gathers its attention scores from the fusion's
     tables, computed once here without gradient, instead of multiplying queries and keys again; the
-    gradient flows through the hoisted query and the keys as before (``attention_with_given_scores``).
-    A small gain on a CPU: MVMoE/4E step (n = 50, batch 64, two devices, alternating steps in one process),
-    paired differences of -0.136 s (standard error 0.043; faster in 22 of 30) and -0.065 s (0.063; 21 of
-    30), medians 2-4% lower in three runs of four; POMO-MTL +0.003 s (0.039), a tie. The tables are the
-    query fusion's, B x H x N x N floats (10 MB per 32 instances at n = 100).
+    gradient flows through the hoisted query and the keys as before (``attention_with_given_scores``): a
+    small gain on a CPU (see docs/performance.md, "Fused readout and query"). The tables are the query
+    fusion's, B x H x N x N floats (10 MB per 32 instances at n = 100).
     """
     _, keys = decoding_keys(rng, traj.masks.shape[0])
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
@@ -394,9 +390,9 @@ class StepSettings:
 
     @property
     def resolved_backward(self) -> str:
-        """``backward`` with ``auto`` resolved: ``stepwise`` (``stepwise_gradients``), measured faster than
-        ``replay`` on a CPU and on a GPU (no forward replay, no padding to a bucket, and a fraction of the
-        memory; see the module docstring)."""
+        """``backward`` with ``auto`` resolved: ``stepwise`` (``stepwise_gradients``), faster than ``replay``
+        on a CPU and on a GPU (no forward replay, no padding to a bucket, and a fraction of the memory; see
+        docs/performance.md, "Stepwise backward")."""
         return "stepwise" if self.backward == "auto" else self.backward
 
 
@@ -454,12 +450,10 @@ def reuses_sampling_pass(settings: StepSettings, cfg: PolicyConfig, *, trajector
     ``always`` / ``never`` decide; ``auto`` records on a CPU when the record fits in
     ``DECODER_RECORD_BUDGET_BYTES`` per device, the record being a float per attention weight, 8 x N per
     trajectory and step: 0.5 GB per device for 32 instances of n = 50 over its 104 recorded steps, 3.5 GB
-    at n = 100; and only for a decoder MoE's four readout maps without MVMoE-L's gate (MVMoE/4E). Measured
-    on a 2-core CPU (n = 50, batch 64, blocked A/B in one process): MVMoE/4E steps 0.11 s (standard error
-    0.03, four runs) faster; with one map to recompute the record's memory traffic costs what it saves:
-    POMO-MTL +0.02 s (0.08) and +0.13 s (0.07), MVMoE-L, whose steps mostly draw the dense map, +0.01 s
-    (0.08). Not on a GPU, where it is not measured and the recomputation is cheap. Needs the readout
-    fusion (``PolicyConfig.uses_fused_readout``); without it, never."""
+    at n = 100; and only for a decoder MoE's four readout maps without MVMoE-L's gate (MVMoE/4E). With one
+    map to recompute (POMO-MTL; MVMoE-L, whose steps mostly draw the dense map) the record's memory traffic
+    costs what it saves, and on a GPU the recomputation is cheap (see docs/performance.md, "Reuse of the
+    sampling pass"). Needs the readout fusion (``PolicyConfig.uses_fused_readout``); without it, never."""
     if not cfg.uses_fused_readout or settings.reuse_sampling == "never":
         return False
     if settings.reuse_sampling == "always":
@@ -486,8 +480,7 @@ def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, m
 def sampling_chunk(settings: StepSettings, cfg: PolicyConfig, inst: Instance, mesh: Mesh | None) -> int | None:
     """Instances per chunk in which ``sample_and_train_step``'s sampling pass decodes each device's share of
     ``inst`` (``chunked_sampling.sampling_chunk_size``; None: the whole share at once, ``rollout.rollout``).
-    Same trajectories and record either way. Measured on a 2-core CPU (MVMoE/4E, n = 50, batch 64, chunks of
-    two instances): see docs/performance-log.md, "Session 31"."""
+    Same trajectories and record either way. See docs/performance.md, "Chunked sampling"."""
     num_devices = 1 if mesh is None else mesh.devices.size
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     return sampling_chunk_size(cfg, settings.pomo_size, inst.locs.shape[0] // num_devices, platform)
@@ -512,7 +505,7 @@ def sample_and_train_step_in_place(policy: Policy, tx: optax.GradientTransformat
     """``sample_and_train_step`` for a batch that keeps the decoder record (``records_decoder``), writing
     the record into ``decoder_buffers`` (their contents ignored; donate them) instead of into zeroed
     memory: (state, metrics, the record, whose buffers serve the next call). On a CPU zeroing the record
-    was a pass over ~400 MB per device and step (MVMoE/4E, n = 50, batch 64 over two devices)."""
+    would cost a pass over all of it at every step (see docs/performance.md, "Reuse of the sampling pass")."""
     state, metrics, traj = _sample_and_train(policy, tx, settings, state, inst, rng, max_steps=max_steps,
                                              mesh=mesh, decoder_buffers=decoder_buffers)
     return state, metrics, traj.decoder

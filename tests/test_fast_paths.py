@@ -559,8 +559,9 @@ def test_attention_value_is_the_same_under_a_gradient_in_a_batched_map():
     over (training's replay of the decoder) has the same value under ``jax.value_and_grad`` as without a
     gradient. JAX's vmap of a custom-vjp call takes the outputs' batch axis from the primal function and
     reads the forward rule's outputs at that axis when the call is differentiated later; a primal whose
-    batched output lands on another axis than the rule's (session 32's primal: axis 0 against 2) scrambles
-    the values, silently where the shapes agree (as here: 4 instances, a map batch of 4)."""
+    batched output lands on another axis than the rule's (a primal normalising after the value product: axis
+    0 against 2) scrambles the values, silently where the shapes agree (as here: 4 instances, a map batch of
+    4)."""
     rng = np.random.default_rng(3)
     t, b, h, m, n, d = 8, 4, 2, 4, 6, 8
     qs = jnp.asarray(rng.standard_normal((t, b, h, m, d)), jnp.float32)

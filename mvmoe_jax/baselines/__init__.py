@@ -1,4 +1,4 @@
-"""Reference solvers under exactly the environment's semantics (``shared/docs/ENV_SEMANTICS.md``).
+"""Reference solvers under exactly the environment's semantics (``docs/environment.md``).
 
 * OR-Tools (``ortools``): all 16 variants; parallel cheapest insertion, then guided local search for a
   time limit per instance.

@@ -1,6 +1,6 @@
 """OR-Tools routing model of all 16 variants, under exactly the environment's semantics.
 
-Model (``ENV_SEMANTICS.md``; integers as explained in ``common``):
+Model (``docs/environment.md``; integers as explained in ``common``):
 
 * Arc cost: Euclidean distance; with O, arcs into the depot cost 0.
 * Capacity and backhauls, one dimension ``net`` = linehaul delivered - backhaul picked up on the route,

@@ -21,11 +21,9 @@ PRODUCTS_AGAINST_TRANSPOSES: bool | None = None
 MERGE_BY_SLICES: bool | None = None
 
 # Whether the backward pass of ``attention_with_given_weights`` (training's decoding steps) takes the softmax
-# backward's row sums from the recorded output (``output_row_sums``) rather than from the weights. Measured
-# on the AVX-512 Xeon (2026-11-29): one step's attention backward (32 instances x 8 heads, n = 50, one core)
-# 2.22-2.29 against 2.58-2.63 ms; the MVMoE/4E training step (n = 50, batch 64, two devices, blocks of three
-# steps alternating in one process, 20 steps each) 0.23 and 0.28 ms less per decoding step (standard errors
-# 0.16 and 0.13, the two orders) of ~20 ms. The same gradient up to float32 rounding. Read at trace time.
+# backward's row sums from the recorded output (``output_row_sums``) rather than from the weights: no pass over
+# the weights, the same gradient up to float32 rounding (see docs/performance.md, "Attention backward
+# layouts"). Read at trace time.
 ROW_SUMS_FROM_OUTPUT: bool = True
 
 # Layout of the recorded softmax weights (those ``attention_from_scores(..., with_weights=True)`` returns
@@ -61,13 +59,10 @@ def merge_heads_by_slices(x: jax.Array) -> jax.Array:
 
 def merges_by_slices() -> bool:
     """Whether ``attention_from_scores`` merges its heads with ``merge_heads_by_slices`` rather than
-    ``merge_heads`` (``MERGE_BY_SLICES`` overrides): on a CPU. Measured on the 2-core AVX-512 Intel Xeon
-    (2026-11-29), the same programs compiled both ways in one process, calls alternating, identical tours:
-    one instance of n = 100 solved greedily x8 (MVMoE/4E, the decoder's (8, 100, 16) output merged at each
-    of ~450 steps per device) took 4.2 ms less (standard error 1.0) of ~141 ms, and 64 instances of n = 50
-    20 ms less (7) of 1.82 s. Only this merge: merging the encoder's heads (``multi_head_attention``) by slices
-    as well gained nothing more (3.6-4.6 ms in all), and the training step was a tie either way. Accelerators
-    keep the transpose."""
+    ``merge_heads`` (``MERGE_BY_SLICES`` overrides): on a CPU, where a decoding step's small (H, P, d) output
+    is merged faster so. Only this merge: merging the encoder's heads (``multi_head_attention``) by slices as
+    well gained nothing, and the training step was a tie either way (see docs/performance.md, "Head merge by
+    slices"). Accelerators keep the transpose."""
     if MERGE_BY_SLICES is not None:
         return MERGE_BY_SLICES
     return jax.default_backend() == "cpu"
@@ -86,8 +81,8 @@ def multi_head_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     if not differentiable and normalises_after_product():
         score = _masked(_scaled_scores(q, k), mask)
         _, total, out = _exponentials(score, jnp.max(score, axis=-1, keepdims=True), v)
-        # Merged by the transpose: for the encoder's (B, H, n, d) the slices were slower (7.7 against 6.2 ms
-        # for 64 instances of n = 50, one core of the AVX-512 Xeon), unlike for a decoding step's small output.
+        # Merged by the transpose: for the encoder's (B, H, n, d) the slices were slower, unlike for a decoding
+        # step's small output (see docs/performance.md, "Normalisation after the value product").
         return merge_heads((out / total).astype(v.dtype))
     return merge_heads(_attention(q, k, v, mask))
 
@@ -96,24 +91,19 @@ def normalises_after_product() -> bool:
     """Whether ``multi_head_attention(..., differentiable=False)`` normalises its softmax after the value
     product, as ``attention_from_scores`` does (``NORMALISE_AFTER_PRODUCT`` overrides): on a CPU. The
     softmax first writes the (B, H, m, n) weights in a pass of their own; normalised after, the exponentials
-    feed the product and only the (B, H, m, d) output is divided. Measured on the 2-core AVX-512 Xeon (model
-    207, 2026-12-02; one core, the three projections included, each form in blocks of ten calls): 64
-    instances of n = 50 6.3 against 11.7 ms, 16 instances 1.52 against 2.57 ms; at n = 100 (the latency
-    call's 1-4 instances) a tie. Whole calls, the same program both ways, alternating, identical tours:
-    MVMoE/4E at n = 50, batch 64 (encoder calls of 128 instances) -206 ms (standard error 92) of 2.2-2.4 s;
-    one n = 100 instance x8 -1.9 ms (2.0) of 160.
+    feed the product and only the (B, H, m, d) output is divided, which is faster for the encoder's calls of
+    many instances and a tie for a few (see docs/performance.md, "Normalisation after the value product").
 
     Only for the encoder outside training mode, as a plain function beside the custom-vjp one rather than as
-    that one's primal. Tried as the primal in session 32, it broke the replay's gradient: JAX's vmap of a
-    custom-vjp call takes the outputs' batch axis from the primal function, traced when the call is staged,
-    and reads the forward rule's outputs at that axis when the call is differentiated later. Batched by
+    that one's primal. As the primal it would break the replay's gradient: JAX's vmap of a custom-vjp call
+    takes the outputs' batch axis from the primal function, traced when the call is staged, and reads the
+    forward rule's outputs at that axis when the call is differentiated later. Batched by
     ``jax.lax.map(..., batch_size=8)`` over the replay's steps with the keys closed over, this form's output
-    carried the batch on axis 0 and ``_attention_fwd``'s on axis 2; with 8 instances the shapes agreed and
-    the values were silently scrambled (a log-likelihood of -8,370 against -5,615). Every custom-vjp primal
-    here is therefore its forward rule's own output (``test_attention_value_is_the_same_under_a_gradient_in_a_batched_map``
-    guards the case). Training mode keeps the differentiable form in every pass as well, so that the sampling
-    pass computes what the backward pass recomputes. Accelerators keep the softmax first, the form their
-    figures were measured with.
+    carries the batch on axis 0 and ``_attention_fwd``'s on axis 2; where the shapes agree the values are
+    silently scrambled. Every custom-vjp primal here is therefore its forward rule's own output
+    (``test_attention_value_is_the_same_under_a_gradient_in_a_batched_map`` guards the case). Training mode
+    keeps the differentiable form in every pass as well, so that the sampling pass computes what the backward
+    pass recomputes. Accelerators keep the softmax first, the form their figures were measured with.
     """
     if NORMALISE_AFTER_PRODUCT is not None:
         return NORMALISE_AFTER_PRODUCT
@@ -128,8 +118,8 @@ def attention_from_scores(score: jax.Array, v: jax.Array, mask: jax.Array | None
 
     The softmax's normalisation is applied after the product with the values, to the (B, H, m, d) output
     instead of to the (B, H, m, n) weights: a division per output element rather than per weight, and a
-    product XLA:CPU does not fuse with the division. Measured 1.4x faster for the attention of a CPU
-    decoding step (800 trajectories, n = 50, 8 heads); equal to the softmax first up to float32 rounding.
+    product XLA:CPU does not fuse with the division; faster for a CPU decoding step (see docs/performance.md,
+    "Normalisation after the value product"), and equal to the softmax first up to float32 rounding.
     """
     score = _masked(score, mask)
     unnormalised, total, out = _exponentials(score, jnp.max(score, axis=-1, keepdims=True), v)
@@ -163,7 +153,7 @@ def attention_from_bounded_scores(scores: Callable[[], jax.Array], v: jax.Array,
     failed = jnp.max((total < MIN_BOUNDED_ROW_TOTAL).astype(jnp.int32))
     # The branch takes the mask negated and negates it back: a feasibility mask arrives as ``~any(rules)``,
     # and XLA folds the double negation, handing the branch the rules' reduction instead of materialising
-    # its negation each step (-1.6 ms of POMO-MTL's 84 ms latency call on a 2-core Xeon).
+    # its negation each step (see docs/performance.md, "Score bounds").
     blocked = None if mask is None else ~mask
 
     def fallback(blocked):
@@ -262,16 +252,12 @@ def keys_major_weights() -> bool:
     keys-major too: the value and key cotangents (``dv = W^T g``, ``dk = dS^T q``, contracting over the
     queries) become plain products, and the query's (``dq = dS k``) the one product with a transposed
     operand. Chosen where such products are left to XLA (``products_against_transposes`` False: AVX-512
-    CPUs), which ran them outside its fast matmul library at ~30 GFLOP/s against ~50 for plain ones.
-    Measured on the AVX-512 Xeon (2026-11-30): one step's attention backward (32 instances x 8 heads,
-    n = 50, one core) 2.28-2.47 against 2.46-2.69 ms; the MVMoE/4E training step (n = 50, batch 64, two
-    devices, blocks of four steps alternating in one process, 30 steps each) 0.63 and 0.69 ms less per
-    decoding step (standard errors 0.07 and 0.10, the two orders) of ~19.4 ms.
+    CPUs), which runs them outside its fast matmul library, slower than plain ones (see docs/performance.md,
+    "Attention backward layouts").
 
     Only the record: where the backward pass recomputes the weights inside its own step (the encoder,
-    POMO-MTL's and MVMoE-L's decoding steps), keeping them keys-major as well made POMO-MTL's and MVMoE-L's
-    training steps 0.72 (0.05) and 1.55 (0.40) ms per decoding step slower: the transposed copy then costs a
-    pass of its own."""
+    POMO-MTL's and MVMoE-L's decoding steps), keeping them keys-major as well made the training steps
+    slower: the transposed copy then costs a pass of its own."""
     if KEYS_MAJOR_WEIGHTS is not None:
         return KEYS_MAJOR_WEIGHTS
     return not products_against_transposes()
@@ -306,15 +292,11 @@ def _attention_fwd(q, k, v, mask):
 def products_against_transposes() -> bool:
     """Whether ``_attention_bwd`` transposes the softmax weights and the score cotangents explicitly before
     its two products that contract over the queries (dk, dv), rather than leaving XLA products with a
-    transposed operand (``PRODUCTS_AGAINST_TRANSPOSES`` overrides). Which is faster depends on the CPU:
-    - AVX2 (2-core AMD EPYC, 2026-11-26/29): XLA:CPU ran the transposed-operand products outside its fast
-      matmul library, at ~17 GFLOP/s for a decoding step's (64 x 8) x [50 x 51]^T [50 x 16] against ~50 as
-      plain products, and at 1.4-2.5 ms against 0.65-0.87 ms for a step's whole attention backward;
-    - AVX-512 (2-core Intel Xeon, 2026-11-29): the transposed-operand products won. One step's attention
-      backward (32 instances x 8 heads, n = 50) took 2.6 against 3.0 ms on one core, and a MVMoE/4E
-      training step (n = 50, batch 64, two devices, blocks of steps alternating in one process) 0.74 and
-      1.04 ms per decoding step less (standard errors 0.17 and 0.26; about 4%), in both orders.
-    Accelerators keep the explicit transposes, the form their figures were measured with."""
+    transposed operand (``PRODUCTS_AGAINST_TRANSPOSES`` overrides). Which is faster depends on the CPU: with
+    AVX2 XLA:CPU runs the transposed-operand products outside its fast matmul library, several times slower
+    than plain products, so the explicit transposes win; with AVX-512 the transposed-operand products win
+    (see docs/performance.md, "Attention backward layouts"). Accelerators keep the explicit transposes, the
+    form their figures were measured with."""
     if PRODUCTS_AGAINST_TRANSPOSES is not None:
         return PRODUCTS_AGAINST_TRANSPOSES
     return not (jax.default_backend() == "cpu" and devices.cpu_has_avx512())

@@ -198,30 +198,18 @@ _LEVELS = ("node", "instance", "problem")
 DISPATCHES = ("dense", "sparse", "einsum", "grouped")
 # ``auto`` picks one of DISPATCHES per layer and input size (``resolve_dispatch``).
 AUTO_DISPATCH = "auto"
-# Units per block of the grouped execution: large enough for efficient matmuls on CPU, small enough that
-# the padding (< one block per expert) stays a small fraction of the work. Measured on one core of a
-# 2-core x86 CPU, MLP experts 128 -> 512 -> 128, top-2 of 4: blocks of 128 were fastest up to ~1,600
-# tokens, 256 at 6,528 tokens in isolation (58 against 64 ms). Below 1,024 assignments the
-# padding dominates: on a 2-core AVX-512 Xeon, whole MVMoE/4E inference calls at 808 assignments per
-# device (one n = 100 instance x8) ran fastest in blocks of 32 (64: +2.7 ms, 128: +8.5 ms, 16: +1.3 ms of
-# ~131); at 1,632 (n = 50, batch 64) 32, 64 and 128 tied. Figures: docs/performance-log.md, "Small MoE
-# layers grouped". Whole inference calls on the AVX-512 Xeon model 167 (2026-12-02, both forms compiled in one
-# process, alternating, identical tours) put the switch to 256 above the encoder calls of 3,264 tokens (6,528
-# assignments; rollout.CPU_ENCODER_TOKENS): 128 against 256 there, MVMoE/4E at n = 50, batch 64 -49 ms
-# (standard error 17) and -17 (9) of ~1.53 s, MVMoE/4E-L -31 (7), n = 100, batch 16 (6,464) -25 (13) of 1.69 s;
-# 64 against 128 +41 (16). At 13,056 assignments 256 had won (+16 ms (4) for 128 of ~475).
+# Units per block of the grouped execution: large enough for efficient matmuls on a CPU, small enough that
+# the padding (< one block per expert) stays a small fraction of the work: 32 below 1,024 assignments, where
+# the padding dominates, 128 up to 8,192 (above the encoder calls of rollout.CPU_ENCODER_TOKENS), 256 from
+# there (see docs/performance.md, "Grouped MoE experts").
 GROUP_BLOCK_SMALL = 32
 GROUP_BLOCK_SMALL_BELOW = 1024         # assignments (tokens x k)
 GROUP_BLOCK = 128
 GROUP_BLOCK_LARGE = 256
 GROUP_BLOCK_LARGE_FROM = 8192          # assignments (tokens x k)
 # From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
-# padding blocks outweigh the saved work: on the same Xeon one n = 20 instance x8 (168 assignments per
-# device) was 1.4 ms slower grouped than dense (of 10.8), while from 408 on grouping won (n = 100, one
-# instance: -11 ms of 141; a training step at n = 50, batch 16: -7%). At an encoder call of 816 tokens
-# (1,632 assignments) the two tie in isolation, but the grouped one ran the whole n = 50 inference
-# workload 1.15-1.25x faster: the dense execution's (tokens, E x hidden) activations (6.7 MB) push the
-# rest of the encoder out of cache.
+# padding blocks outweigh the saved work; above it the dense execution's (tokens, E x hidden) activations
+# push the rest of the encoder out of cache (see docs/performance.md, "Grouped MoE experts").
 AUTO_GROUPED_MIN_ASSIGNMENTS = 256
 # Whether the grouped MLP experts run expert by expert (``mlp_expert_blocks_by_expert``) outside training mode;
 # read at trace time (False: block by block everywhere, for comparisons). Training mode keeps the block-by-block
@@ -279,13 +267,12 @@ def sort_groups(groups: int) -> Iterator[None]:
 
 def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int) -> str:
     """The execution strategy ``dispatch`` names for one call: itself, or for ``auto`` ``grouped`` where it
-    was measured faster (MLP experts on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort
-    group), else ``dense``. Accelerators keep ``dense``: a few large matmuls, where the grouped blocks run
-    one after another. Training groups too since the blocks' backward is written out
-    (``mlp_expert_blocks``) and the sort stays on each device (``sort_groups``): MVMoE/4E, n = 50, batch 64
-    over two CPU cores, 3.2 against 3.6 s per step (medians of 8 alternating steps); before both, autodiff's
-    backward through the blocks made the step slower (3.76 against 3.44 s). Resolved at trace time (shapes and
-    the backend are static; training and evaluation choose alike)."""
+    is faster (MLP experts on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort group), else
+    ``dense``. Accelerators keep ``dense``: a few large matmuls, where the grouped blocks run one after
+    another. Training groups too: the blocks' backward is written out (``mlp_expert_blocks``) and the sort
+    stays on each device (``sort_groups``); without them autodiff's backward through the blocks made the
+    step slower (see docs/performance.md, "Grouped MoE experts"). Resolved at trace time (shapes and the
+    backend are static; training and evaluation choose alike)."""
     if dispatch != AUTO_DISPATCH:
         return dispatch
     if (expert_type == "mlp" and jax.default_backend() == "cpu"
@@ -343,8 +330,9 @@ def prob_in_top_k(clean: Array, noisy: Array, noise_std: Array, top_values: Arra
 
 def small_top_k(x: Array, m: int) -> tuple[Array, Array]:
     """``jax.lax.top_k(x, m)`` over the last axis (same values, indices and tie order: lower index first;
-    only -0.0 and 0.0, which lax.top_k orders, count as a tie here), as m argmax passes when the axis is short (a few experts). On CPU ``lax.top_k`` lowers to a sort per
-    row, measured at ~0.6 ms for 3,200 rows of 4 experts, several times the cost of these passes."""
+    only -0.0 and 0.0, which lax.top_k orders, count as a tie here), as m argmax passes when the axis is short
+    (a few experts). On a CPU ``lax.top_k`` lowers to a sort per row, several times the cost of these passes
+    (see docs/performance.md, "Gates by rank")."""
     num = x.shape[-1]
     if num > 16:
         return jax.lax.top_k(x, m)
@@ -366,11 +354,8 @@ def uses_gates_by_rank(k: int, train: bool) -> bool:
     """Whether top-``k`` gating computes its dense (U, E) gates by ``gates_by_rank`` (``GATES_BY_RANK``
     overrides, for k <= 2): on a CPU, outside training, for k <= 2. Only callers that read the dense gates pay
     for either form (MVMoE's decoder, whose readout mixes its maps by them); the grouped execution reads the
-    chosen indices. Measured on the 2-core AVX-512 Xeon (model 167, 2026-12-03), the same programs both ways in
-    one process, calls alternating, identical tours: MVMoE/4E at n = 50, batch 64 -8.3 ms (standard error 1.4)
-    of 1.11 s over 30 calls each, MVMoE/4E-L -14 ms (6.0) of 1.09 s; one n = 100 instance x8, MVMoE/4E -0.7 ms
-    (0.5), a tie. Training keeps the one-hot product, whose backward pass was measured with
-    it; accelerators keep it too."""
+    chosen indices. Faster in MVMoE's decoding steps on a CPU (see docs/performance.md, "Gates by rank").
+    Training keeps the one-hot product, whose backward pass was measured with it; accelerators keep it too."""
     if k > 2:
         return False
     if GATES_BY_RANK is not None:
@@ -563,10 +548,9 @@ def gated_experts_forward(params: Mapping[str, Array], x: Array, gates: Array, *
     ``sum_e gates[:, e] * expert_e(x)`` equals, for MLP experts, ``[gates_e * relu(x @ W1_e + b1_e)]_e @
     [W2_e]_e + gates @ b2`` (hidden layers concatenated along features, (d, E*h) and (E*h, o)), and for
     linear experts ``sum_e gates_e (x @ [W_e]_e)`` + ``gates @ b``. The dense execution's FLOPs, but as two
-    large plain matmuls instead of E small ones and an E-way mix: measured on a 2-core CPU, the encoder's
-    MLP-expert layer at 816 tokens ran in 5.5 ms this way, against 6.6 ms per expert. Its (T, E*h)
-    activations grow with T out of a CPU's cache (one core: 12 ms at 816 tokens, 88 ms at 3,264), where
-    ``grouped_experts_forward`` keeps to blocks (31 ms at 3,264).
+    large plain matmuls instead of E small ones and an E-way mix. Its (T, E*h) activations grow with T out
+    of a CPU's cache, where ``grouped_experts_forward`` keeps to blocks (see docs/performance.md, "Dense
+    experts side by side" and "Grouped MoE experts").
 
     Args:
       params: stacked expert parameters (see ``experts_forward``), leading axis E.
@@ -643,11 +627,9 @@ def ranks_within_groups(keys: Array, num_groups: int) -> tuple[Array, Array]:
 
     The counts come from one-hot tiles of 128 elements: within a tile, a product with a strictly lower
     triangular matrix (0/1 values and sums below 128, exact in float32); across tiles, an integer running
-    sum of the tiles' totals.
-    XLA:CPU's stable sort of a layer's 13,056 expert assignments (128 n = 50 instances, top-2) took
-    ~3.5 ms, about a twenty-fifth of an encoder layer on one core; the grouped execution's slots computed this way
-    are the same, and an MVMoE/4E encoder call of 128 instances ran 13.9 ms (standard error 6.8) faster
-    (of ~490; both cores of the 2-core AVX-512 Xeon busy, 100 alternating pairs).
+    sum of the tiles' totals. It replaces XLA:CPU's stable sort of a layer's expert assignments, which is
+    slower; the grouped execution's slots computed this way are the same (see docs/performance.md, "Grouped
+    MoE experts").
     """
     num = keys.shape[0]
     if _BLOCKS_AS_ONE_PRODUCT.get():
@@ -720,9 +702,8 @@ def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_i
                           batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
     out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
     # Weighted as a product rather than a broadcast multiply: the gate's cotangent is then a (L, R x o)
-    # contraction, where the multiply's was a multiply and a minor-axis sum that XLA:CPU runs slowly
-    # (one core, 3,840 x 128: 0.52 against 1.87 ms for the weighting's gradient; 5-33 ms per encoder layer
-    # in a traced MVMoE/4E training step on an AVX-512 Xeon, gone with this form).
+    # contraction, where the multiply's was a multiply and a minor-axis sum that XLA:CPU runs slowly (see
+    # docs/performance.md, "Grouped MoE experts").
     slot_weight = jnp.zeros((length,), jnp.float32).at[position].set(
         weights.reshape(num_assign).astype(jnp.float32), mode="drop")
     out = jnp.einsum("lro,l->lro", out, slot_weight.astype(out.dtype))
@@ -739,13 +720,10 @@ def combine_assignments(out: Array, position: Array, weights: Array, active: Arr
     The grouped execution's combination outside training: one loop fusion (the k gathers, the weighting, the
     sum and whatever elementwise consumer follows) where weighting every slot and scatter-adding the slots
     into zeroed units took three passes, and slots never gathered (padding, blocks past the last expert's)
-    may hold anything. An MVMoE/4E encoder call of 64 n = 50 instances -6.3 ms (standard error 0.4) of 103
-    on one core of the AVX-512 Xeon; with the in-place blocks (``mlp_expert_blocks_by_expert``), whole
-    greedy x8 calls at n = 50, batch 64 -83 ms (15) of 1.31 s for MVMoE/4E, -121 (25) for MVMoE/4E-L,
-    one n = 100 instance -1.7 ms (0.6) of 90; the same tours. Training keeps the weighting product and the
-    scatter-add: there the gates' cotangent through this form is a reduction over the output's minor axis,
-    which XLA:CPU runs slowly (see ``_grouped_experts_forward``). Not bitwise the scatter-add's sum: XLA
-    may fuse a weighting and an addition into one multiply-add."""
+    may hold anything (see docs/performance.md, "Grouped MoE experts"). Training keeps the weighting product
+    and the scatter-add: there the gates' cotangent through this form is a reduction over the output's minor
+    axis, which XLA:CPU runs slowly (see ``_grouped_experts_forward``). Not bitwise the scatter-add's sum:
+    XLA may fuse a weighting and an addition into one multiply-add."""
     total = None
     for j in range(position.shape[1]):
         rows = out[jnp.clip(position[:, j], 0, out.shape[0] - 1)]
@@ -765,8 +743,8 @@ def mlp_expert_blocks(w1: Array, b1: Array, w2: Array, b2: Array, x: Array, bloc
 
     The backward pass is written out (``_mlp_expert_blocks_bwd``). Left to autodiff, the loop's cotangent
     of the weights is a full (E, d, h) array per block (the transpose of the dynamic index), added up
-    block after block: measured on one CPU core, an encoder MoE layer of 1,632 tokens took 88-107 ms for
-    its forward and backward that way, 58-67 ms written out, against 130-148 ms for the dense execution.
+    block after block, which made the grouped execution slower than the dense one in training (see
+    docs/performance.md, "Grouped MoE experts").
     """
     return _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision)[0]
 
@@ -794,8 +772,8 @@ def _mlp_expert_blocks_bwd(dtype, precision, residuals, g):
     Every product is a plain (untransposed-operand) one, which XLA:CPU runs in its fast matmul library: the
     experts' weights are transposed once, the block's small (rows x d) input and (rows x o) cotangent are
     transposed explicitly, and the second layer's weight gradient is summed transposed, (o, h), then turned
-    once at the end. As ``x_b^T @ dh`` and ``h_b^T @ g_b`` those two ran as transposed-operand dots at
-    37-45 GFLOP/s against ~60 (one core)."""
+    once at the end. As ``x_b^T @ dh`` and ``h_b^T @ g_b`` those two ran as slower transposed-operand
+    dots."""
     w1, w2, x, hidden, block_expert = residuals
     num_experts = w1.shape[0]
     w1_t, w2_t = (jnp.swapaxes(w, 1, 2).astype(dtype) for w in (w1, w2))
@@ -838,16 +816,12 @@ def mlp_expert_blocks_by_expert(w1: Array, b1: Array, w2: Array, b2: Array, x: A
     place: undifferentiated, with o = d and ``x`` in ``dtype``.
 
     Why: the block-by-block loop reads its expert's weights by a dynamic index, which XLA:CPU copies out for
-    every block (a d x h and an h x o matrix, ~15 us a block on the AVX-512 Xeon); here the scan slices
-    them once per expert and the blocks past the last expert's padding are not run. Whole greedy x8 calls
-    (both forms compiled in one process, alternating, identical tours; 2026-12-02, the 2-core AVX-512 Xeon
-    model 167): MVMoE/4E at n = 50, batch 64 -53 ms (standard error 12) and -44 (12) of ~1.55 s, MVMoE/4E-L
-    -64 (7) of 1.58 s, one n = 100 instance (blocks of 32) -6.7 ms (2.0) of 121. Writing out the hidden
-    layer as well (the residual the backward pass needs) made the same call 131 ms slower, so it is written
-    only by the forward rule, under differentiation. In place (each block's output over its input, no zeroed
-    output buffer): an MVMoE/4E encoder call of 64 n = 50 instances -4.6 ms (standard error 0.5) of 101, on
-    one core. The result keeps its batch axis where the primal puts it, since both carry the output through
-    the same loops (see ``attention.normalises_after_product`` for why that matters).
+    every block (a d x h and an h x o matrix); here the scan slices them once per expert and the blocks past
+    the last expert's padding are not run. Writing out the hidden layer as well (the residual the backward
+    pass needs) made the call slower, so it is written only by the forward rule, under differentiation. In
+    place, each block's output goes over its input: no zeroed output buffer (see docs/performance.md,
+    "Grouped MoE experts"). The result keeps its batch axis where the primal puts it, since both carry the
+    output through the same loops (see ``attention.normalises_after_product`` for why that matters).
     """
     return _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidden=False)[0]
 

@@ -127,9 +127,8 @@ class PolicyConfig:
 
 
 # XLA:CPU runs a decoding step's small instance-batched products (P x D by D x columns) fastest with a
-# multiple of 16 output columns: measured on a 2-core x86 CPU, 16 x [50 x 128] @ [128 x 64] took 0.18 ms
-# against 0.25 ms for 51 columns, and 4 maps of 52 (208 columns) 0.50 ms against 0.64 ms for 4 x 51.
-# The readout's node axis is zero-padded to such a width once per rollout.
+# multiple of 16 output columns, so the readout's node axis is zero-padded to such a width once per rollout
+# (see docs/performance.md, "Fused readout and query").
 READOUT_COLUMN_MULTIPLE = 16
 
 
@@ -149,18 +148,10 @@ SCORE_BOUNDS: bool | None = None
 
 def uses_score_bounds(num_instances: int) -> bool:
     """Whether a forward decoding step over ``num_instances`` instances with the query fusion offsets its softmax
-    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time. Measured on the
-    2-core AVX-512 Xeon, the same programs with and without the bounds, calls alternating, identical tours:
-    - one instance of n = 100 solved greedily x8 (chunks of one instance; 2026-11-29): POMO-MTL -5.8 ms (standard
-      error 1.2) of 90, MVMoE/4E -4.7 ms (1.4) of 134, MVMoE/4E-L then +0.8 ms (1.6) of 122, a tie; with the score
-      tables padded to 104 columns (``query_table_width``; 2026-11-30) MVMoE/4E-L -6.2 ms (1.4) and -4.9 ms (0.6)
-      of 116, and at n = 200 -95 ms (11) of 786;
-    - 64 instances of n = 50 (chunks of 16): POMO-MTL -4.3 ms (1.3) of 1.21 s, MVMoE/4E +23 ms (6) of 1.89 s,
-      MVMoE/4E-L +67 ms (7) of 1.87 s. There YNNPACK runs the maximum, the exponentials, the value product and the
-      normalisation as one kernel, which the bounded loop's exponentials break up. In the chunks of two instances
-      that n = 50 has used since (``rollout.default_chunk_size``; CPU model 167, 2026-12-01): +11 ms (7) of 1.01 s,
-      +6 ms (10) of 1.64 s and +27 ms (36) of 1.74 s, ties, so the rule stays one instance.
-    Accelerators keep the maximum, the form their figures were measured with."""
+    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time. In larger chunks
+    YNNPACK runs the maximum, the exponentials, the value product and the normalisation as one kernel, which
+    the bounded loop's exponentials break up, and the bounds do not pay (see docs/performance.md, "Score
+    bounds"). Accelerators keep the maximum, the form their figures were measured with."""
     if SCORE_BOUNDS is not None:
         return SCORE_BOUNDS
     return jax.default_backend() == "cpu" and num_instances == 1
@@ -176,11 +167,9 @@ def mixes_maps_elementwise(train: bool) -> bool:
     written out over the M maps rather than as a per-trajectory (1 x M) @ (M x N) product (``MIX_MAPS_ELEMENTWISE``
     overrides): on a CPU, outside training. Written out, XLA:CPU computes the mix, the readout's padding cut, the
     logit clipping and the mask in one loop, where the product left a bias pass, a small dot and the clipping's
-    loop. Measured on the 2-core AVX-512 Xeon (model 167, 2026-12-03), the same programs both ways in one process,
-    calls alternating, identical tours: MVMoE/4E at n = 50, batch 64 -17.1 ms (standard error 5.8) of 1.13 s over
-    30 calls each; MVMoE/4E-L -4.7 ms (1.9) of 1.08 s; one n = 100 instance x8, MVMoE/4E -2.7 ms (0.4) of 85.
-    Not bitwise the product's sums (the terms are added in another order); the same tours. Training keeps the
-    product, whose backward pass (the gates' cotangent) was measured with it; accelerators keep it too."""
+    loop (see docs/performance.md, "Readout mix written out"). Not bitwise the product's sums (the terms are
+    added in another order); the same tours. Training keeps the product, whose backward pass (the gates'
+    cotangent) was measured with it; accelerators keep it too."""
     if MIX_MAPS_ELEMENTWISE is not None:
         return MIX_MAPS_ELEMENTWISE
     return jax.default_backend() == "cpu" and not train
@@ -202,17 +191,9 @@ def query_table_width(num_nodes: int) -> int:
     see exact zeros there: the same sums, to float32 rounding (XLA and YNNPACK may add the terms in another
     order over wider rows).
 
-    Why: a step's loops over its (H, P, N) scores and YNNPACK's value products ran faster on rows of a multiple
-    of 8 floats while they stay in cache. Measured on the 2-core AVX-512 Xeon (2026-11-30), the same programs
-    with and without the padding in one process, calls alternating, identical tours: one n = 100 instance
-    greedy x8 (101 -> 104 columns) -4.1 ms (standard error 0.4) of 83 for POMO-MTL, -3.2 ms (1.1) of 126 for
-    MVMoE/4E and -2.4 ms (1.8) of 122 for MVMoE/4E-L (-3.6, -5.5 and -6.6 ms in a first run); 64 instances
-    at n = 50 (56 columns) and n = 20 (24) ties (+1.6 ms, standard error 5.8, of 1.18 s for POMO-MTL; -15 (13)
-    and -8 (12) ms of 1.89 and 1.85 s for the MVMoE models; -9.9 (7.5) of 509 ms for MVMoE/4E at n = 20). One
-    n = 200 instance (201 columns, 200 trajectories a step: 1.3 MB of exponentials) lost with any padding:
-    +13 ms (7) of 480 at 208 columns, +36 and +34 ms at 204 and 224, its exponentials' loop 15% slower per
-    step; hence the cap. A multiple of 16 gained less at n = 100 (112 columns: -2.4 ms, 0.5) and lost at
-    n = 50 (64 columns: +68 ms, 2.6)."""
+    Why: a step's loops over its (H, P, N) scores and YNNPACK's value products run faster on rows of a
+    multiple of 8 floats while they stay in cache; past 128 columns (n = 200) the padding lost, hence the cap,
+    and a multiple of 16 gained less (see docs/performance.md, "Fused readout and query")."""
     multiple = QUERY_TABLE_COLUMN_MULTIPLE
     if multiple is None:
         if jax.default_backend() != "cpu":
@@ -355,8 +336,8 @@ class EncoderLayer(nn.Module):
 @jax.custom_vjp
 def readout_product(x: jax.Array, readout: jax.Array) -> jax.Array:
     """``x (B, P, D) @ readout (B, D, X)`` -> (B, P, X) float32, with a backward pass that computes the input's
-    cotangent against an explicitly transposed readout (B, X, D). Left to autodiff, XLA:CPU ran that product,
-    which contracts the readout's minor axis, at 19 GFLOP/s in a training step (MVMoE/4E, n = 50)."""
+    cotangent against an explicitly transposed readout (B, X, D). Left to autodiff, XLA:CPU runs that
+    product, which contracts the readout's minor axis, slowly (see docs/performance.md, "Stepwise backward")."""
     return jnp.einsum("bpd,bdx->bpx", x, readout, preferred_element_type=jnp.float32)
 
 
@@ -460,12 +441,12 @@ class Policy(nn.Module):
         Why the query fusion: a step's query is ``[emb_current, dynamic] @ Wq``, linear in its parts, and
         the current node is one of N. Scoring every node's embedding part against the keys once per
         rollout (N x N per head) leaves a step a row gather and four multiply-adds instead of the query
-        projection and the per-head products: measured 2x faster for the attention of a CPU decoding step
-        (800 trajectories, n = 50). Training's backward pass asks for ``fuse_query=False``: the cotangent of
-        that gather would be a scatter into the (B, H, N, N) table at every step (measured 2.3x slower
-        steps), so there only the projection of the node part is hoisted (``DecoderCache.node_queries``),
-        whose gather's cotangent is a scatter of D-wide rows; ``stepwise_gradients`` adds the tables
-        without gradient, to gather the scores from (see ``DecoderCache``).
+        projection and the per-head products (see docs/performance.md, "Fused readout and query").
+        Training's backward pass asks for ``fuse_query=False``: the cotangent of that gather would be a
+        scatter into the (B, H, N, N) table at every step, far slower, so there only the projection of the
+        node part is hoisted (``DecoderCache.node_queries``), whose gather's cotangent is a scatter of D-wide
+        rows; ``stepwise_gradients`` adds the tables without gradient, to gather the scores from (see
+        ``DecoderCache``).
         """
         cfg = self.cfg
         h = cfg.num_heads
@@ -681,7 +662,7 @@ class Policy(nn.Module):
             emb = cache.embeddings
             last = jnp.take_along_axis(emb, current, axis=1)                             # (B, P, D)
             query = self.Wq_last(jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1))
-        # Heads-major (B, H, P, d) products: measured faster on CPU than keeping heads inside each query.
+        # Heads-major (B, H, P, d) products: faster on a CPU than keeping heads inside each query.
         q = split_heads(query, cfg.num_heads)
         if given is not None:
             return attention_with_given_weights(q, cache.keys, cache.values, given.attention_weights,
@@ -710,10 +691,8 @@ class Policy(nn.Module):
         """(B, H, P, 1): an upper bound on each step's largest attention score with the query fusion,
         ``node_score_max[current] + sum_f max(dynamic_f * min_f, dynamic_f * max_f)`` (see DecoderCache), which
         ``attention_from_bounded_scores`` offsets the softmax by where ``uses_score_bounds`` (forward steps that
-        keep no softmax weights: inference and evaluation's sampling, not training's sampling pass). With the
-        briefly trained reference checkpoints no bound lay more than 46 above its row's maximum
-        (``MIN_BOUNDED_ROW_TOTAL``) over 32 instances of each of the 16 variants at n = 50 and 100, though some
-        lay more than 20 above it."""
+        keep no softmax weights: inference and evaluation's sampling, not training's sampling pass). How loose
+        the bounds get in practice: docs/performance.md, "Score bounds"."""
         bound = jax.vmap(lambda table, cur: table[:, cur])(cache.node_score_max, current.astype(jnp.int32))
         dyn = dynamic.astype(jnp.float32)
         for f in range(dyn.shape[-1]):

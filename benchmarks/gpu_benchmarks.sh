@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 5 in one command, for a lent GPU machine (the device tool) or any CUDA host.
+# The GPU measurements in one command, for any CUDA host.
 #
-#   bash benchmarks/gpu_session.sh OUT_DIR
+#   bash benchmarks/gpu_benchmarks.sh OUT_DIR
 #
 # Runs, in order of importance, each step under its own time limit and all within DEADLINE_S seconds
 # (a step that no longer fits is skipped, and says so):
@@ -22,7 +22,7 @@
 # ../shared/fixtures/torch-reference (or FIXTURES, copied there) for trained weights: benchmarks/gpu_prepare.sh
 # prepares both folders and the wheels.
 set -u
-OUT_DIR=${1:-/tmp/gpu_session}
+OUT_DIR=${1:-/tmp/gpu_benchmarks}
 N=${N:-100}
 B=${B:-1000}
 TRAIN_BATCHES=${TRAIN_BATCHES:-128,512,2048}
