@@ -1,5 +1,5 @@
-"""Evaluate a policy (orbax checkpoint, training workdir or original .pt file) on the paper's test sets
-or on CVRPLIB / Solomon files.
+"""Evaluate a policy (a shipped model by name, an orbax checkpoint, a training workdir or an original .pt file)
+on the paper's test sets or on CVRPLIB / Solomon files.
 
     python evaluate.py --config=configs/mvmoe.py --checkpoint=PATH --problems=ALL \
         --data_dir=../shared/data/mvmoe-paper --size=50 --aug=8 --output=results.json
@@ -29,7 +29,8 @@ from mvmoe_jax import cli, precision
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
     "with an orbax checkpoint or read off a .pt file.")
-flags.DEFINE_string("checkpoint", None, "orbax checkpoint directory, training workdir or original .pt file.")
+flags.DEFINE_string("checkpoint", None, "shipped model name (e.g. mvmoe_4e_n50), orbax checkpoint directory, "
+                    "training workdir or original .pt file.")
 flags.DEFINE_string("problems", "ALL", "Comma list of variants, ALL, TRAIN or UNSEEN.")
 flags.DEFINE_string("data_dir", None, "Folder in the paper's layout: DIR/<VARIANT>/<variant><size>_uniform.pkl.")
 flags.DEFINE_integer("size", 50, "Problem size n of the paper datasets to evaluate.")

@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from mvmoe_jax import shipped
 from mvmoe_jax.io.torch_checkpoint import load_torch_checkpoint
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
@@ -225,11 +226,17 @@ def _single_device_target(metadata) -> Any:
 
 
 def load_policy(path: str | os.PathLike, cfg: PolicyConfig | None = None) -> tuple[PolicyConfig, dict]:
-    """(config, params) from an original ``.pt`` file or an orbax checkpoint directory."""
+    """(config, params) from a shipped model's name (``mvmoe_jax.shipped``), an orbax checkpoint directory,
+    a training workdir or an original ``.pt`` file."""
     path = os.fspath(path)
     if os.path.isdir(path):
         ckpt = os.path.join(path, "checkpoints")
         return restore_policy(ckpt if os.path.isdir(ckpt) else path, cfg)
     if not os.path.exists(path):
+        if shipped.looks_like_name(path):
+            if path in shipped.names():
+                return shipped.load(path, cfg)
+            raise FileNotFoundError(f"no checkpoint at {path}, and {path!r} is not the name of a shipped model "
+                                    f"({shipped.describe_available()})")
         raise FileNotFoundError(f"no checkpoint at {path}")
     return import_torch_checkpoint(path, cfg)

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, precision, problems, training
+from mvmoe_jax import checkpoints, precision, problems, shipped, training
 from mvmoe_jax.cli import policy_config
 from mvmoe_jax.devices import largest_divisor_at_most, usable_cores, use_cpu_cores_as_devices
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
@@ -74,8 +74,10 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     _require(config.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {config.aux_loss_coef}")
     _require(0 < config.lr_decay_epoch_fraction <= 1,
              f"lr_decay_epoch_fraction must be in (0, 1], got {config.lr_decay_epoch_fraction}")
-    _require(not config.finetune_from or os.path.exists(config.finetune_from),
-             f"finetune_from: no checkpoint at {config.finetune_from}")
+    _require(not config.finetune_from or os.path.exists(config.finetune_from)
+             or config.finetune_from in shipped.names(),
+             f"finetune_from: no checkpoint at {config.finetune_from}, nor a shipped model of that name "
+             f"({shipped.describe_available()})")
     variants = tuple(v.name for v in problems.parse_variants(config.train_problems))
     problems.parse_variants(config.validation_problems or config.train_problems)
     policy = policy_config(config.model)
