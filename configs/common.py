@@ -38,6 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
     # alpha of the paper: weight of the MoE load-balancing loss (cv^2 of importance + cv^2 of load, summed
     # over MoE layers and decoding steps). The reference code weighs it 1e-3 (its MoE layers' loss_coef).
     c.aux_loss_coef = 0.01
+    # End the run after this epoch (its checkpoint written), as if stopped there; the same command with a
+    # larger value continues it. 0: run every epoch. The schedule still follows `epochs`.
+    c.stop_after_epoch = 0
     c.checkpoint_every_epochs = 1
     c.keep_checkpoints = 3            # orbax max_to_keep in <workdir>/checkpoints
     c.validate_every_epochs = 10      # also after epoch 1 and the last; 0: never

@@ -69,6 +69,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
                  "validation_instances", "validation_batch_size", "keep_checkpoints"):
         _require(int(config[name]) >= 1, f"{name} must be a positive integer, got {config[name]}")
     _require(config.validate_every_epochs >= 0, "validate_every_epochs must be >= 0 (0: never)")
+    _require(config.get("stop_after_epoch", 0) >= 0, "stop_after_epoch must be >= 0 (0: run every epoch)")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.weight_decay >= 0, f"weight_decay must be >= 0, got {config.weight_decay}")
     _require(config.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {config.aux_loss_coef}")
@@ -190,16 +191,17 @@ def _format_val(val: dict) -> str:
                      for k, v in val.items())
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None, stop_after_epoch: int | None = None
-                       ) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None) -> dict:
     """Train (or resume, or fine-tune) as ``config`` says; returns the last epoch's metrics record.
 
-    devices: the devices of the data-parallel mesh (default: all). stop_after_epoch: end the run after
-    this epoch (its checkpoint written), as if it had been killed there; running again resumes.
+    devices: the devices of the data-parallel mesh (default: all). ``config.stop_after_epoch`` ends the
+    run after that epoch (its checkpoint written), as if it had been stopped there; running again with a
+    larger value (or 0) continues it.
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
     last good checkpoint stays the latest).
     """
     plan = check_config(config)
+    stop_after_epoch = int(config.get("stop_after_epoch", 0)) or None
     if config.distributed:
         jax.distributed.initialize()
     mesh = training.make_mesh(devices)
@@ -277,6 +279,9 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
             append_metrics(metrics_path, record)
             plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
 
+    if stop_after_epoch is not None and start_epoch >= stop_after_epoch:
+        _say(f"epoch {start_epoch} reached: nothing to do before stop_after_epoch={stop_after_epoch}")
+        return record
     for epoch in range(start_epoch + 1, config.epochs + 1):
         t0 = time.perf_counter()
         sums = {k: 0.0 for k in ("loss", "pg_loss", "aux_loss", "score", "grad_norm")}

@@ -314,10 +314,17 @@ def test_resume_continues_exactly(tmp_path):
     straight = tiny_config(tmp_path / "straight")
     training_loop.train_and_evaluate(straight)
     resumed = tiny_config(tmp_path / "resumed")
-    training_loop.train_and_evaluate(resumed, stop_after_epoch=2)          # "killed" after epoch 2
+    resumed.stop_after_epoch = 2
+    training_loop.train_and_evaluate(resumed)                                 # stopped after epoch 2
     with training_loop.checkpoint_manager(resumed.workdir) as mngr:
         assert mngr.latest_step() == 2
-    last = training_loop.train_and_evaluate(resumed)                          # the same call again
+    training_loop.train_and_evaluate(resumed)                                 # already there: no epoch runs
+    with training_loop.checkpoint_manager(resumed.workdir) as mngr:
+        assert mngr.latest_step() == 2
+    rows = training_validation.read_metrics(os.path.join(resumed.workdir, "metrics.jsonl"))
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    resumed.stop_after_epoch = 0
+    last = training_loop.train_and_evaluate(resumed)                          # continued to the end
     assert last["epoch"] == 4
 
     _, p1 = checkpoints.load_policy(straight.workdir)
