@@ -24,6 +24,7 @@ ROUTE_LIMIT = 3.0
 DEPOT_CLOSE = 3.0        # the depot's time window is [0, 3]
 SERVICE_TIME = 0.2
 TW_HALF_WIDTH = (0.1, 1.0)
+TW_ACCEPT_EPS = 1e-5     # the reference generator's round-off allowance in its acceptance test
 
 
 @struct.dataclass
@@ -166,8 +167,35 @@ def _check_size(num_customers: int) -> float:
 def generate_instance(key: jax.Array, flags: jax.Array, num_customers: int) -> Instance:
     """Generate one instance of the variant given by ``flags`` (bool (4,): O, B, L, TW).
 
+    A time-window instance with a customer that cannot be served on a route of its own (one farther than
+    1.4 from the depot has no time to get there, be served and return by 3) is drawn again, with
+    ``fold_in(key, attempt)``, as the reference generator redraws such batches; the first draw uses ``key``.
     jit-able with ``num_customers`` static; vmap over keys and flags to build batches.
     """
+    def draw(attempt):
+        k = jax.lax.cond(attempt == 0, lambda: key, lambda: jax.random.fold_in(key, attempt))
+        return _draw_instance(k, flags, num_customers)
+
+    def unservable(carry):
+        return ~all_customers_servable(carry[1])
+
+    def again(carry):
+        attempt = carry[0] + 1
+        return attempt, draw(attempt)
+
+    return jax.lax.while_loop(unservable, again, (jnp.int32(0), draw(jnp.int32(0))))[1]
+
+
+def all_customers_servable(inst: Instance) -> jax.Array:
+    """bool (): the reference generator's acceptance test for one instance. With TW every customer i must
+    allow depot -> i -> depot in time: ``max(d_0i, tw_start_i) + service_i + d_0i <= tw_end_0 + 1e-5``."""
+    d0 = jnp.sqrt(jnp.sum((inst.locs[1:] - inst.locs[0]) ** 2, axis=-1))
+    back = jnp.maximum(d0, inst.tw_start[1:]) + inst.service_time[1:] + d0
+    return ~inst.has_tw | jnp.all(back <= inst.tw_end[0] + TW_ACCEPT_EPS)
+
+
+def _draw_instance(key: jax.Array, flags: jax.Array, num_customers: int) -> Instance:
+    """One draw of the paper's generator, before the acceptance test."""
     capacity = _check_size(num_customers)
     n = num_customers
     flags = jnp.asarray(flags, bool)

@@ -115,3 +115,35 @@ def test_augment_8_preserves_distances_and_costs():
     for k in range(8):
         np.testing.assert_allclose(dist(np.asarray(aug.locs[k])), dist(np.asarray(b.locs)), atol=1e-6)
     assert len({tuple(np.asarray(aug.locs[k, 0, 1])) for k in range(8)}) == 8
+
+
+# fold_in(key(0), i) for these i gives VRPTW n = 20 first draws with a customer 1.4+ from the depot: no time
+# to reach it, serve it and be back by 3 (found by scanning the first two million indices).
+UNSERVABLE_FIRST_DRAWS = (1039936, 1475726)
+
+
+@pytest.mark.parametrize("index", UNSERVABLE_FIRST_DRAWS)
+@pytest.mark.parametrize("variant", ["VRPTW", "OVRPBLTW"])
+def test_a_time_window_draw_with_an_unservable_customer_is_drawn_again(index, variant):
+    key = jax.random.fold_in(jax.random.key(0), index)
+    flags = jnp.asarray(problems.get_variant(variant).flags)
+    first = instances._draw_instance(key, flags, 20)
+    assert not bool(instances.all_customers_servable(first))          # the case this test is about
+    assert bool(np.asarray(checker.unreachable_customers(jax.tree.map(lambda x: x[None], first))).any()) \
+        or variant.startswith("O")                                      # open routes need no way back
+    inst = instances.generate_instance(key, flags, 20)
+    assert bool(instances.all_customers_servable(inst))
+    assert not np.asarray(checker.unreachable_customers(jax.tree.map(lambda x: x[None], inst))).any()
+    # Time windows decide the redraw; without them the first draw stands.
+    cvrp = jnp.asarray(problems.get_variant("CVRP").flags)
+    np.testing.assert_array_equal(instances.generate_instance(key, cvrp, 20).locs,
+                                  instances._draw_instance(key, cvrp, 20).locs)
+
+
+def test_valid_first_draws_are_kept():
+    keys = jax.random.split(jax.random.key(3), 256)
+    flags = jnp.asarray(problems.get_variant("VRPLTW").flags)
+    first = jax.vmap(instances._draw_instance, in_axes=(0, None, None))(keys, flags, 50)
+    assert np.asarray(jax.vmap(instances.all_customers_servable)(first)).all()
+    inst = jax.vmap(instances.generate_instance, in_axes=(0, None, None))(keys, flags, 50)
+    jax.tree.map(np.testing.assert_array_equal, inst, first)
