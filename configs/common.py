@@ -43,6 +43,9 @@ def base_config() -> ml_collections.ConfigDict:
     # End the run after this epoch (its checkpoint written), as if stopped there; the same command with a
     # larger value continues it. 0: run every epoch. The schedule still follows `epochs`.
     c.stop_after_epoch = 0
+    # A wall-clock budget for this invocation: the run ends (checkpoint written) after the epoch past which
+    # another would overrun it. 0: none. Validation time counts.
+    c.time_limit_seconds = 0.0
     c.checkpoint_every_epochs = 1
     c.keep_checkpoints = 3            # orbax max_to_keep in <workdir>/checkpoints
     c.validate_every_epochs = 10      # also after epoch 1 and the last; 0: never

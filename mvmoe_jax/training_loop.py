@@ -70,6 +70,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
         _require(int(config[name]) >= 1, f"{name} must be a positive integer, got {config[name]}")
     _require(config.validate_every_epochs >= 0, "validate_every_epochs must be >= 0 (0: never)")
     _require(config.get("stop_after_epoch", 0) >= 0, "stop_after_epoch must be >= 0 (0: run every epoch)")
+    _require(config.get("time_limit_seconds", 0) >= 0, "time_limit_seconds must be >= 0 (0: no limit)")
     _require(config.learning_rate > 0, f"learning_rate must be positive, got {config.learning_rate}")
     _require(config.weight_decay >= 0, f"weight_decay must be >= 0, got {config.weight_decay}")
     _require(config.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {config.aux_loss_coef}")
@@ -261,6 +262,7 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
                  "steps_per_epoch": plan.steps_per_epoch, "config": config.to_dict()}
     is_main = jax.process_index() == 0
     record: dict = {}
+    time_limit = float(config.get("time_limit_seconds", 0))
     wall0 = time.perf_counter()
 
     def validate(record):
@@ -322,9 +324,14 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
             append_metrics(metrics_path, record)
             if "val" in record:
                 plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
-        if epoch % config.checkpoint_every_epochs == 0 or epoch == config.epochs or epoch == stop_after_epoch:
+        # With a wall-clock budget the run ends when another epoch like this one would overrun it.
+        out_of_time = bool(time_limit) and time.perf_counter() - wall0 + (time.perf_counter() - t0) > time_limit
+        last = epoch == config.epochs or epoch == stop_after_epoch or out_of_time
+        if epoch % config.checkpoint_every_epochs == 0 or last:
             save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
-        if stop_after_epoch is not None and epoch >= stop_after_epoch:
+        if out_of_time:
+            _say(f"stopping after epoch {epoch}: time_limit_seconds={time_limit:g} would be overrun by another")
+        if (stop_after_epoch is not None and epoch >= stop_after_epoch) or out_of_time:
             break
     fns.release_buffers()
     return record
