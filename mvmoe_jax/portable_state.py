@@ -7,8 +7,8 @@ split into files of at most ``max_file_bytes``.
     python -m mvmoe_jax.portable_state export WORKDIR OUT_DIR [--max_file_mib=15]
     python -m mvmoe_jax.portable_state import IN_DIR WORKDIR
 
-``OUT_DIR`` holds ``meta.json`` (the run's config, epoch, step and PRNG key, and for every leaf of the
-training state its tree path, shape, dtype and file) and ``state_00.npz``, ``state_01.npz``, ... (read with
+``OUT_DIR`` holds ``meta.json`` (the run's config, epoch, step and PRNG key, its metrics records so far,
+and for every leaf of the training state its tree path, shape, dtype and file) and ``state_00.npz``, ``state_01.npz``, ... (read with
 ``allow_pickle=False``). ``import`` writes an ordinary orbax checkpoint into a new workdir: running
 ``train.py`` with the same config and that workdir then continues exactly as the original run would.
 """
@@ -25,7 +25,9 @@ import ml_collections
 import numpy as np
 
 from mvmoe_jax import training
-from mvmoe_jax.training_loop import check_config, checkpoint_manager, restore_checkpoint, save_checkpoint
+from mvmoe_jax.training_loop import (METRICS_FILE, check_config, checkpoint_manager, restore_checkpoint,
+                                     save_checkpoint)
+from mvmoe_jax.training_validation import append_metrics, read_metrics
 
 META_FILE = "meta.json"
 FORMAT = "mvmoe-jax training state 1"
@@ -75,8 +77,9 @@ def export_state(workdir: str, out_dir: str, max_file_bytes: int = DEFAULT_MAX_F
         path = os.path.join(out_dir, f"state_{i:02d}.npz")
         np.savez(path, **arrays)
         written.append(path)
+    metrics = [r for r in read_metrics(os.path.join(workdir, METRICS_FILE)) if r.get("epoch", 0) <= epoch]
     with open(os.path.join(out_dir, META_FILE), "w") as f:
-        json.dump({"format": FORMAT, "train_meta": meta, "leaves": records,
+        json.dump({"format": FORMAT, "train_meta": meta, "leaves": records, "metrics": metrics,
                    "files": [os.path.basename(p) for p in written]}, f)
     return written + [os.path.join(out_dir, META_FILE)]
 
@@ -114,6 +117,8 @@ def import_state(in_dir: str, workdir: str) -> int:
             raise ValueError(f"{workdir} already holds checkpoints; import into a new workdir")
         save_checkpoint(mngr, meta["epoch"], state, cfg, meta)
         mngr.wait_until_finished()
+    for row in stored.get("metrics", []):
+        append_metrics(os.path.join(workdir, METRICS_FILE), row)
     return int(meta["epoch"])
 
 
