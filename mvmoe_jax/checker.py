@@ -209,3 +209,46 @@ def validate_instances(inst: Instance, source: str = "dataset") -> None:
         raise InfeasibleInstanceError(
             f"{source}: {len(rows)} instance(s) have customers that cannot be served even on a route of their "
             f"own (demand over capacity, window closed before arrival, or route limit too short): {detail}")
+
+
+def unservable_reasons(inst: Instance, *, scale: float = 1.0, node_name=lambda i: f"customer {i}") -> list[str]:
+    """One sentence per customer of ONE (unbatched) instance that no route can serve
+    (``unreachable_customers``, the authority), naming why: its demand or pickup exceeds the capacity, its
+    time window closes before a vehicle from the depot can arrive, it cannot be served and the vehicle be
+    back before the depot closes, or its round trip from the depot is longer than the route limit.
+    Distances and times are multiplied by ``scale`` (a reader's factor back to the file's units);
+    ``node_name(i)`` names customer i (1..n) as the file numbers it. Empty when every customer is servable.
+    Without time windows and route limits only the capacity can stand in the way, and that is checked without
+    compiling the replay."""
+    if bool(inst.has_tw) or bool(inst.has_limit):
+        batched = jax.tree.map(lambda x: jnp.asarray(x)[None], inst)
+        bad = np.flatnonzero(np.asarray(unreachable_customers(batched))[0]) + 1
+    else:
+        bad = np.flatnonzero(np.abs(np.asarray(inst.demand, np.float64)[1:]) > 1 + env.EPS) + 1
+    if bad.size == 0:
+        return []
+    f = {k: np.asarray(getattr(inst, k), np.float64) for k in ("locs", "demand", "service_time", "tw_start",
+                                                               "tw_end", "route_limit")}
+    is_open, has_tw, has_limit = (bool(getattr(inst, k)) for k in ("is_open", "has_tw", "has_limit"))
+    d0 = np.sqrt(((f["locs"] - f["locs"][0]) ** 2).sum(-1))
+    eps = env.EPS
+    out = []
+    for i in bad.tolist():
+        d, q = d0[i], f["demand"][i]
+        start = max(d, f["tw_start"][i])
+        if abs(q) > 1 + eps:
+            why = f"its {'pickup' if q < 0 else 'demand'} is {abs(q):.4g} times the vehicle capacity"
+        elif has_tw and d > f["tw_end"][i] + eps:
+            why = (f"its time window closes at {f['tw_end'][i] * scale:.6g}, before a vehicle from the depot "
+                   f"can arrive (travel time {d * scale:.6g})")
+        elif has_tw and not is_open and start + f["service_time"][i] + d > f["tw_end"][0] + eps:
+            why = (f"a vehicle serving it is back at the depot at {(start + f['service_time'][i] + d) * scale:.6g} "
+                   f"at the earliest, after the depot closes at {f['tw_end'][0] * scale:.6g}")
+        elif has_limit and (d if is_open else 2 * d) > f["route_limit"] + eps:
+            trip = "the way from the depot" if is_open else "its round trip from the depot"
+            why = (f"{trip} ({(d if is_open else 2 * d) * scale:.6g}) is longer than the route limit "
+                   f"{f['route_limit'] * scale:.6g}")
+        else:
+            why = "no route of its own can serve it under the environment's rules"
+        out.append(f"{node_name(i)}: {why}")
+    return out

@@ -1,0 +1,178 @@
+"""A small JSON format for one's own instances.
+
+A file holds one instance (a JSON object) or several (a list of objects)::
+
+    {
+      "name": "north-depot",                  optional; default: the file name (plus the index in a list)
+      "capacity": 100,                        the vehicle capacity
+      "depot": [0, 0],                        x, y
+      "customers": [[3, 4], [6, 8], [9, 1]],  x, y of each customer; they are numbered 1..n in this order
+      "demand": [10, -5, 7],                  one per customer; negative: a pickup (a backhaul customer)
+      "time_windows": [[0, 50], [10, 60], [0, 80]],   optional: [earliest, latest] start of service
+      "service_times": 2,                     optional, with time windows: one number, or one per customer
+      "depot_close": 100,                     with time windows: when the vehicles must be back at the depot
+      "route_limit": 80,                      optional: the longest route (a distance)
+      "open_routes": false,                   optional: routes end at their last customer
+      "best_known": 25.2                      optional: a known cost, for the gap in summaries and plots
+    }
+
+Distances are Euclidean in the given coordinates, and time is measured in the same units (travel time =
+distance). The variant is read off the data: B with negative demands, TW with time windows, L with a route
+limit, O with open routes. Each instance is scaled into the unit square like the VRPLIB files
+(``vrplib_io.unit_square_transform``: times and the route limit by the same factor), and ``JsonMeta.scale``
+maps costs back. The rules are the environment's (docs/environment.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+from mvmoe_jax import checker, problems
+from mvmoe_jax.instances import Instance, from_arrays
+from mvmoe_jax.io.vrplib_io import require_file, to_unit_square, unit_square_transform
+
+REQUIRED = ("capacity", "depot", "customers", "demand")
+OPTIONAL = ("name", "time_windows", "service_times", "depot_close", "route_limit", "open_routes", "best_known")
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonMeta:
+    """name; variant (read off the data); scale and offset: unit square -> the file's units (as
+    ``VrplibMeta``); coords float64 (n+1, 2): the file's coordinates, depot first; best_known or None."""
+
+    name: str
+    variant: str
+    num_customers: int
+    capacity: float
+    scale: float
+    offset: tuple[float, float]
+    best_known: float | None = None
+    coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def original_cost(self, unit_cost):
+        return np.asarray(unit_cost, np.float64) * self.scale
+
+
+def _array(value, shape_desc: str, where: str, key: str, ndim: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: '{key}' must be {shape_desc} of numbers") from None
+    if arr.ndim != ndim or not np.all(np.isfinite(arr)):
+        raise ValueError(f"{where}: '{key}' must be {shape_desc} of finite numbers")
+    return arr
+
+
+def _number(obj: dict, key: str, where: str) -> float:
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: '{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _customers(indices: np.ndarray) -> str:
+    idx = (np.flatnonzero(indices) + 1).tolist()
+    return str(idx[:10])[:-1] + (", ...]" if len(idx) > 10 else "]")
+
+
+def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMeta]:
+    """One JSON object -> (batch-of-one Instance, JsonMeta); ValueError prefixed with ``where``."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: an instance must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {', '.join(REQUIRED + OPTIONAL)}")
+    missing = [k for k in REQUIRED if k not in obj]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(repr(k) for k in missing)}")
+    capacity = _number(obj, "capacity", where)
+    if not capacity > 0:
+        raise ValueError(f"{where}: 'capacity' must be positive, got {capacity:g}")
+    depot = _array(obj["depot"], "[x, y]", where, "depot", 1)
+    xy = _array(obj["customers"], "a list of [x, y]", where, "customers", 2)
+    if depot.shape != (2,) or xy.shape[-1] != 2 or xy.shape[0] < 1:
+        raise ValueError(f"{where}: 'depot' must be [x, y] and 'customers' a non-empty list of [x, y]")
+    n = xy.shape[0]
+    demand = _array(obj["demand"], "a list", where, "demand", 1)
+    if demand.shape != (n,):
+        raise ValueError(f"{where}: 'demand' has {demand.size} entries for {n} customers")
+    if np.any(np.abs(demand) > capacity):
+        raise ValueError(f"{where}: the demand of customer(s) {_customers(np.abs(demand) > capacity)} exceeds the "
+                         f"capacity {capacity:g}; no vehicle could serve them")
+    has_tw = "time_windows" in obj
+    kwargs = {}
+    coords = np.concatenate([depot[None], xy])
+    offset, scale = unit_square_transform(coords, source=where)
+    if has_tw:
+        tw = _array(obj["time_windows"], "a list of [earliest, latest]", where, "time_windows", 2)
+        if tw.shape != (n, 2):
+            raise ValueError(f"{where}: 'time_windows' must give [earliest, latest] for each of the {n} customers")
+        if np.any(tw[:, 1] < tw[:, 0]) or np.any(tw < 0):
+            bad = (tw[:, 1] < tw[:, 0]) | np.any(tw < 0, axis=1)
+            raise ValueError(f"{where}: the time windows of customer(s) {_customers(bad)} close before they open "
+                             "or are negative")
+        if "depot_close" not in obj:
+            raise ValueError(f"{where}: 'time_windows' need 'depot_close', the time by which vehicles must be back")
+        close = _number(obj, "depot_close", where)
+        service = np.zeros(n)
+        if "service_times" in obj:
+            raw = obj["service_times"]
+            service = (np.full(n, _number(obj, "service_times", where)) if not isinstance(raw, list)
+                       else _array(raw, "a number or a list", where, "service_times", 1))
+            if service.shape != (n,) or np.any(service < 0):
+                raise ValueError(f"{where}: 'service_times' must be one non-negative number or one per customer")
+        kwargs.update(service_time=service[None] / scale, tw_start=tw[None, :, 0] / scale,
+                      tw_end=tw[None, :, 1] / scale, depot_close=close / scale)
+    elif "service_times" in obj or "depot_close" in obj:
+        raise ValueError(f"{where}: 'service_times' and 'depot_close' need 'time_windows' (without them no clock "
+                         "is kept)")
+    if "route_limit" in obj:
+        limit = _number(obj, "route_limit", where)
+        if not limit > 0:
+            raise ValueError(f"{where}: 'route_limit' must be positive, got {limit:g}")
+        kwargs["route_limit"] = limit / scale
+    is_open = obj.get("open_routes", False)
+    if not isinstance(is_open, bool):
+        raise ValueError(f"{where}: 'open_routes' must be true or false, got {is_open!r}")
+    best = _number(obj, "best_known", where) if "best_known" in obj else None
+    name = obj.get("name", default_name)
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: 'name' must be a non-empty string")
+
+    var = problems.variant_from_flags(is_open, bool(np.any(demand < 0)), "route_limit" in obj, has_tw)
+    unit = to_unit_square(coords, offset, scale)
+    inst = from_arrays(unit[None, :1], unit[None, 1:], demand[None], capacity, variant=var, **kwargs)
+    reasons = checker.unservable_reasons(jax.tree.map(lambda x: x[0], inst), scale=scale)
+    if reasons:
+        raise ValueError(f"{where}: {len(reasons)} customer(s) that no route can serve: " + "; ".join(reasons[:5]))
+    meta = JsonMeta(name=name.strip(), variant=var.name, num_customers=n, capacity=capacity, scale=scale,
+                    offset=(float(offset[0]), float(offset[1])), best_known=best, coords=coords)
+    return inst, meta
+
+
+def read_json_instances(path: str | os.PathLike) -> list[tuple[Instance, JsonMeta]]:
+    """Read a JSON file of the format above: one (batch-of-one Instance, JsonMeta) per instance.
+
+    Raises ValueError naming the file (and the instance, in a list) for text that is not JSON, unknown or
+    missing keys, values of the wrong kind or length, a demand above the capacity, windows that close
+    before they open, and a customer no route can serve (a window closing before a vehicle can arrive, a
+    route limit shorter than its round trip, ...)."""
+    path = require_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if isinstance(data, dict):
+        return [parse_instance(data, path, stem)]
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected an instance object or a non-empty list of them")
+    width = len(str(len(data) - 1))
+    return [parse_instance(obj, f"{path}, instance {i}", f"{stem}-{i:0{width}d}") for i, obj in enumerate(data)]
