@@ -1,0 +1,93 @@
+"""Solve one's own routing instances with a trained policy; write routes, a summary and plots.
+
+    python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling] [--time_limit=S]
+        [--output=DIR] [--plot] [--problem=VARIANT] [--bks=BKS.json]
+
+INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
+and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
+(``mvmoe_jax.io.json_instances``). Writes ``DIR/<instance>.sol`` (VRPLIB solution format), with ``--plot``
+``DIR/<instance>.png``, and ``DIR/summary.json``; prints a table. Exit status: 0 when every instance was
+solved, 1 when some inputs were refused (the others are solved and written) or a route failed the checker
+(nothing is written for it), 2 for a bad command line or when nothing could be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser(searches) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mvmoe_jax.solve", description=__doc__.split("\n\n")[0])
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="instance files or folders of them")
+    p.add_argument("--checkpoint", default=None, help="shipped model name or checkpoint path (orbax directory, "
+                   "training workdir or original .pt); default: the shipped model closest to the instance size")
+    p.add_argument("--search", default="greedy", choices=list(searches),
+                   help="greedy: greedy x8 from every POMO start (default); sampling: then sampled rollouts per "
+                        "start and augmentation, keeping the best")
+    p.add_argument("--time_limit", type=float, default=None,
+                   help="seconds per instance for the search, greedy included (compilation not)")
+    p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
+                   "--time_limit); a run is repeated exactly by the same seed and its reported rounds")
+    p.add_argument("--samples", type=int, default=8, help="sampling: rollouts per POMO start and augmentation a round")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default all n)")
+    p.add_argument("--problem", default=None, help="the variant (e.g. OVRPTW) when the data does not say it all: "
+                   "open routes, or a paper .pkl named otherwise")
+    p.add_argument("--num_instances", type=int, default=None, help="at most this many instances of each file")
+    p.add_argument("--bks", default=None, help="best-known values (BKS.json style) for gaps")
+    p.add_argument("--batch_size", type=int, default=None, help="instances solved together (default by size)")
+    p.add_argument("--output", default="solutions", help="folder for the .sol files, plots and summary.json")
+    p.add_argument("--plot", action="store_true", help="also write a PNG of each solution")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--cpu_devices", type=int, default=0, help="on a CPU, decode on this many JAX devices at once "
+                   "(0: one per core)")
+    return p
+
+
+def main(argv=None, *, setup_devices: bool = False) -> int:
+    """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_devices``: present
+    a CPU's cores as devices first (``--cpu_devices``), which must happen before JAX computes anything."""
+    from mvmoe_jax.solve import api, search
+
+    args = _parser(search.SEARCHES).parse_args(argv)
+    try:
+        if setup_devices:
+            if args.cpu_devices < 0:
+                raise ValueError(f"--cpu_devices must be >= 0 (0: one per core), got {args.cpu_devices}")
+            from mvmoe_jax import devices
+            devices.use_cpu_cores_as_devices(args.cpu_devices or None)
+        report = api.solve(args.inputs, checkpoint=args.checkpoint, search=args.search, time_limit=args.time_limit,
+                           rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
+                           problem=args.problem, num_instances=args.num_instances, bks=args.bks,
+                           batch_size=args.batch_size, output=args.output, plot=args.plot,
+                           progress=not args.no_progress)
+    except api.NothingToSolveError as e:
+        for r in e.refused:
+            print(f"refused: {r.error}", file=sys.stderr)
+        print("error: no instance could be read", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    for size, name in report.models.items():
+        print(f"n = {size}: model {name}")
+    for what, plan in report.plans.items():
+        print(f"{what}: {plan}")
+    print(report.table())
+    failed = [s for s in report.solutions if not s.feasible]
+    for s in failed:
+        print(f"error: {s.name}: the route fails the checker ({s.violation}); nothing written for it", file=sys.stderr)
+    for r in report.refused:
+        print(f"refused: {r.error}", file=sys.stderr)
+    written = sum("sol" in s.files for s in report.solutions)
+    print(f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s (compilation {report.compile_seconds:.1f} s); "
+          f"wrote {written} .sol file(s) and {report.summary_file}")
+    return 1 if failed or report.refused else 0
+
+
+if __name__ == "__main__":
+    # First, before JAX starts: glibc's huge pages for XLA:CPU's buffers (host_memory.py).
+    from mvmoe_jax import host_memory
+    host_memory.restart_with_huge_pages()
+    sys.exit(main(setup_devices=True))

@@ -1,0 +1,268 @@
+"""Solve instances with a trained policy and get routes back: the library form of ``python -m mvmoe_jax.solve``.
+
+    from mvmoe_jax import solve
+    report = solve.solve(["my_instances/", "X-n101-k25.vrp"], checkpoint="model.pt", search="sampling",
+                         time_limit=5, output="solutions")
+    for s in report.solutions:
+        s.name, s.variant, s.cost, s.routes          # routes: lists of customers, the input's numbering
+
+    solutions = solve.solve_instances(cfg, params, batch)   # a batched Instance already in memory
+
+Instances are grouped by size and solved in batches; every route is replayed through the checker
+(``mvmoe_jax.checker``) and nothing is written for a route that fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from mvmoe_jax import checker, precision
+from mvmoe_jax.instances import Instance, stack, take
+from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.solve import outputs
+from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
+from mvmoe_jax.solve.models import Models
+from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
+
+SUMMARY_FILE = "summary.json"
+COST_RTOL = 1e-4          # the file-unit cost and the checker's (float32, unit square) must agree this well
+
+
+class NothingToSolveError(ValueError):
+    """No input could be read; ``refused`` says why for each."""
+
+    def __init__(self, message: str, refused: list[Refused]):
+        super().__init__(message)
+        self.refused = refused
+
+
+@dataclasses.dataclass
+class Solution:
+    """One instance's solution.
+
+      name, source, variant, num_customers: as read (``inputs.Problem``).
+      routes:       one list of customers per route, numbered as in the input (see ``outputs``).
+      cost:         in the input's units under the environment's rules (unrounded Euclidean lengths; an open
+                    route ends at its last customer).
+      cost_rounded: the same routes with every edge rounded to an integer (CVRPLIB's convention), for VRPLIB
+                    inputs; else None.
+      greedy_cost:  greedy x8's cost in the same units (the search started from it; cost <= greedy_cost).
+      best_known, gap: a best-known cost and the gap to it in percent (from cost_rounded where the input
+                    rounds edges), or None.
+      feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
+      violation:    the checker's finding when not feasible, else None.
+      seconds:      the instance's share of its batch's search time (compilation excluded).
+      starts:       POMO starts decoded; search, rounds (sampling rounds run), model (the checkpoint).
+      files:        what was written for it ({"sol": path, "plot": path}).
+    """
+
+    name: str
+    source: str
+    variant: str
+    num_customers: int
+    routes: list[list[int]]
+    cost: float
+    cost_rounded: float | None
+    greedy_cost: float
+    best_known: float | None
+    gap: float | None
+    feasible: bool
+    violation: str | None
+    seconds: float
+    starts: int
+    search: str
+    rounds: int
+    model: str
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class SolveReport:
+    """A run: its solutions (input order), the inputs refused, and how it ran. ``plans``: per size and
+    program, the decoding plan (starts and chunks, ``search.DecodePlan``); ``models``: the checkpoint used per
+    size; seconds: the whole run's wall time; compile_seconds: compilation within it."""
+
+    solutions: list[Solution]
+    refused: list[Refused]
+    search: str
+    settings: Settings
+    seed: int
+    models: dict[int, str]
+    plans: dict[str, str]
+    compile_seconds: float
+    seconds: float
+    summary_file: str | None = None
+
+    def table(self) -> str:
+        return outputs.table(self.solutions, self.search)
+
+    def to_json(self) -> dict:
+        return {"search": self.search, "settings": dataclasses.asdict(self.settings), "seed": self.seed,
+                "models": {str(n): m for n, m in self.models.items()}, "plans": self.plans,
+                "device": str(jax.local_devices()[0].device_kind), "num_devices": len(jax.local_devices()),
+                "seconds": self.seconds, "compile_seconds": self.compile_seconds,
+                "instances": [s.to_json() for s in self.solutions],
+                "refused": [dataclasses.asdict(r) for r in self.refused]}
+
+
+def _groups(problems: Sequence[Problem], batch_size: int | None) -> list[list[int]]:
+    """Indices of ``problems`` in batches of one size each (sizes in order of first appearance)."""
+    by_size: dict[int, list[int]] = {}
+    for i, p in enumerate(problems):
+        by_size.setdefault(p.num_customers, []).append(i)
+    out = []
+    for n, idx in by_size.items():
+        size = batch_size or max(1, min(64, 3200 // n))
+        out.extend(idx[k:k + size] for k in range(0, len(idx), size))
+    return out
+
+
+def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check: checker.RouteCheck,
+              unit_cost: float, **fields) -> Solution:
+    """The better of the searched and greedy routes by their cost in the input's units, checked."""
+    is_open = bool(p.instance.is_open)
+    searched = checker.split_subtours(checker.actions_to_route(actions))
+    greedy = checker.split_subtours(checker.actions_to_route(greedy_actions))
+    cost, greedy_cost = (outputs.route_cost(p.coords, r, is_open) for r in (searched, greedy))
+    violation = None if check.feasible else (
+        check.violation if check.position is None else f"{check.violation} at position {check.position} (node {check.node})")
+    if check.feasible and abs(check.cost - unit_cost) > COST_RTOL * max(check.cost, 1e-12):
+        violation = f"cost {unit_cost:.7g} reported but the checker's is {check.cost:.7g}"
+    elif check.feasible and abs(check.cost * p.scale - cost) > COST_RTOL * max(cost, 1e-12):
+        violation = f"cost {cost:.7g} in the input's units but the checker's is {check.cost * p.scale:.7g}"
+    if greedy_cost < cost:          # float rounding only: the search compared float32 costs
+        searched, cost = greedy, greedy_cost
+    rounded = outputs.route_cost(p.coords, searched, is_open, rounded=True) if p.round_costs else None
+    compared = rounded if rounded is not None else cost
+    gap = None if p.best_known is None else (compared - p.best_known) / p.best_known * 100.0
+    return Solution(name=p.name, source=p.source, variant=p.variant, num_customers=p.num_customers, routes=searched,
+                    cost=cost, cost_rounded=rounded, greedy_cost=greedy_cost, best_known=p.best_known, gap=gap,
+                    feasible=violation is None, violation=violation, **fields)
+
+
+def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple[str, PolicyConfig, dict]], *,
+                   search: str = "greedy", settings: Settings = Settings(), seed: int = 0,
+                   batch_size: int | None = None, progress: bool = False,
+                   on_solution: Callable[[Problem, Solution], None] | None = None
+                   ) -> tuple[list[Solution], dict[str, str], float]:
+    """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
+    in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
+    each is found."""
+    if search not in SEARCHES:
+        raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
+    out: list[Solution | None] = [None] * len(problems)
+    plans, compile_s, decoders = {}, 0.0, {}
+    base = jax.random.key(seed)
+    bar = tqdm(total=len(problems), desc=search, unit="instance", disable=not progress, leave=False)
+    for b, idx in enumerate(_groups(problems, batch_size)):
+        group = [problems[i] for i in idx]
+        n = group[0].num_customers
+        name, cfg, params = model_for(n)
+        if name not in decoders:
+            decoders[name] = Decoder(cfg, params, settings)
+        size = batch_size or max(1, min(64, 3200 // n))
+        size = min(size, len([p for p in problems if p.num_customers == n]))
+        batch = stack([p.instance for p in group] + [group[0].instance] * (size - len(group)))
+        res = SEARCHES[search](decoders[name], batch, jax.random.fold_in(base, b), len(group))
+        compile_s += res.compile_seconds
+        for kind, plan in res.plans.items():
+            plans[f"n={n} {kind}"] = plan.describe()
+        real = take(batch, np.arange(len(group)))
+        checks = checker.check_routes(real, [checker.actions_to_route(a) for a in res.actions[:len(group)]])
+        for j, (i, p) in enumerate(zip(idx, group)):
+            out[i] = _solution(p, res.actions[j], res.greedy_actions[j], checks[j], float(res.cost[j]),
+                               seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search, rounds=res.rounds, model=name)
+            if on_solution is not None:
+                on_solution(p, out[i])
+        bar.update(len(group))
+    bar.close()
+    return out, plans, compile_s
+
+
+def _write(output: str | None, plot: bool):
+    """The ``on_solution`` that writes a feasible solution's ``.sol`` (and PNG) into ``output``."""
+    def write(p: Problem, s: Solution) -> None:
+        if output is None or not s.feasible:
+            return
+        s.files["sol"] = outputs.write_sol(os.path.join(output, f"{p.name}.sol"), s.routes, s.cost)
+        if plot:
+            from mvmoe_jax.solve.plot import plot_solution
+            s.files["plot"] = plot_solution(os.path.join(output, f"{p.name}.png"), p, s)
+    return write
+
+
+def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time_limit: float | None = None,
+          rounds: int | None = None, samples: int = 8, max_starts: int | None = None, seed: int = 0,
+          problem: str | None = None, num_instances: int | None = None, bks: str | None = None,
+          batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
+          memory_budget: int | None = None) -> SolveReport:
+    """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
+
+    checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
+    shipped model trained closest to it. search: a name in ``search.SEARCHES``; time_limit, rounds, samples,
+    max_starts, memory_budget: ``search.Settings``. problem: the variant, when the data does not say it all
+    (``inputs.state_variant``). num_instances: at most this many from each file of several. bks: a table of
+    best-known values (BKS.json style). output: a folder for a ``.sol`` per instance (and with ``plot`` a
+    PNG) and ``summary.json``; None writes nothing.
+
+    Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
+    none is left; CheckpointRequiredError (a ValueError) when no checkpoint is given and none ships.
+    """
+    t_start = time.perf_counter()
+    if search not in SEARCHES:
+        raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
+    if num_instances is not None and num_instances < 1:
+        raise ValueError(f"--num_instances must be a positive integer, got {num_instances}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"--batch_size must be a positive integer, got {batch_size}")
+    settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
+                        memory_budget=memory_budget)
+    paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    if not paths:
+        raise ValueError("no input given: name files or folders of instances")
+    problems, refused = read_inputs(paths, problem=problem, num_instances=num_instances, bks=bks)
+    if not problems:
+        raise NothingToSolveError("no instance could be read: " + "; ".join(r.error for r in refused[:5])
+                                  + (f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""), refused)
+    models = Models(checkpoint)
+    names = {p.num_customers: models.name_for(p.num_customers) for p in problems}
+
+    def model_for(n):
+        return (names[n],) + models.load(names[n])
+
+    if output is not None:
+        os.makedirs(output, exist_ok=True)
+    with precision.matmul_precision(precision.EVAL_DEFAULT):
+        solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
+                                                     batch_size=batch_size, progress=progress,
+                                                     on_solution=_write(output, plot))
+    report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
+                         models=names, plans=plans, compile_seconds=compile_s, seconds=0.0)
+    report.seconds = time.perf_counter() - t_start
+    if output is not None:
+        report.summary_file = outputs.write_summary(os.path.join(output, SUMMARY_FILE), report.to_json())
+    return report
+
+
+def solve_instances(cfg: PolicyConfig, params, batch: Instance, *, search: str = "greedy", seed: int = 0,
+                    batch_size: int | None = None, **settings) -> list[Solution]:
+    """Solve a batched Instance already in memory (B instances, unit square) with the policy (cfg, params):
+    one Solution per instance, costs in the Instance's units. ``settings``: ``search.Settings`` fields."""
+    k = int(batch.locs.shape[0])
+    problems = [Problem(name=f"instance-{i}", source=f"<batch>#{i}", instance=jax.tree.map(lambda x: x[i], batch),
+                        coords=np.asarray(batch.locs[i], np.float64)) for i in range(k)]
+    checker.validate_instances(batch, "batch")
+    with precision.matmul_precision(precision.EVAL_DEFAULT):
+        solutions, _, _ = solve_problems(problems, lambda n: ("<given>", cfg, params), search=search,
+                                         settings=Settings(**settings), seed=seed, batch_size=batch_size)
+    return solutions

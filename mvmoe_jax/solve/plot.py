@@ -1,0 +1,84 @@
+"""A PNG of one solution (matplotlib, no display needed).
+
+The depot is a black square, linehaul customers circles, backhaul customers triangles; each route has its own
+colour (an open route stops at its last customer). Where time windows bind, the customer is ringed: red
+where the vehicle arrives with less than 1% of the depot's horizon left before the window closes, orange
+where it waits for the window to open. Routes within 1% of the route limit are drawn thicker and named in
+the legend with their length. The title gives the instance, variant, cost and the gap to a best-known value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TIGHT = 0.01          # a window or limit binds when less than this fraction of its scale is left
+
+
+def route_timing(coords: np.ndarray, tour, tw_start, tw_end, service) -> list[tuple[int, float, float]]:
+    """(customer, arrival, service start) along one route from the depot at time 0, in the coordinates' units."""
+    t, here, out = 0.0, 0, []
+    for c in tour:
+        arrive = t + math.dist(coords[here], coords[c])
+        start = max(arrive, tw_start[c])
+        out.append((c, arrive, start))
+        t, here = start + service[c], c
+    return out
+
+
+def plot_solution(path: str, problem, solution) -> str:
+    """Write the PNG of ``solution`` (a ``Solution``) for ``problem`` (its ``Problem``) to ``path``."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    inst = problem.instance
+    coords = problem.coords
+    scale = problem.scale
+    demand = np.asarray(inst.demand)
+    is_open, has_tw, has_limit = bool(inst.is_open), bool(inst.has_tw), bool(inst.has_limit)
+    tw_start, tw_end = np.asarray(inst.tw_start, np.float64) * scale, np.asarray(inst.tw_end, np.float64) * scale
+    service = np.asarray(inst.service_time, np.float64) * scale
+    limit = float(inst.route_limit) * scale
+
+    fig = Figure(figsize=(7.5, 7.5))
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["tab20"]
+    colours = [cmap(i % 20) for i in range(len(solution.routes))]
+    late, waits = [], []
+    for k, tour in enumerate(solution.routes):
+        seq = [0, *tour] + ([] if is_open else [0])
+        xy = coords[seq]
+        length = sum(math.dist(coords[a], coords[b]) for a, b in zip(seq[:-1], seq[1:]))
+        tight = has_limit and length >= (1 - TIGHT) * limit
+        label = f"route {k + 1}: length {length:.4g} of limit {limit:.4g}" if tight else None
+        ax.plot(xy[:, 0], xy[:, 1], "-", color=colours[k], lw=2.6 if tight else 1.2, label=label, zorder=1)
+        if has_tw:
+            horizon = tw_end[0]
+            for c, arrive, start in route_timing(coords, tour, tw_start, tw_end, service):
+                if tw_end[c] - arrive <= TIGHT * horizon:
+                    late.append(c)
+                elif start > arrive:
+                    waits.append(c)
+    line = np.flatnonzero(demand > 0)
+    back = np.flatnonzero(demand < 0)
+    ax.scatter(coords[line, 0], coords[line, 1], s=18, c="tab:blue", marker="o", label="linehaul customer", zorder=2)
+    if back.size:
+        ax.scatter(coords[back, 0], coords[back, 1], s=30, c="tab:green", marker="^", label="backhaul customer",
+                   zorder=2)
+    for nodes, colour, label in ((late, "red", "arrives as its time window closes"),
+                                 (waits, "orange", "waits for its time window to open")):
+        if nodes:
+            ax.scatter(coords[nodes, 0], coords[nodes, 1], s=90, facecolors="none", edgecolors=colour, lw=1.4,
+                       label=label, zorder=3)
+    ax.scatter(coords[:1, 0], coords[:1, 1], s=90, c="black", marker="s", label="depot", zorder=4)
+    title = f"{solution.name}: {solution.variant}, n = {solution.num_customers}, cost {solution.cost:.6g}"
+    if solution.cost_rounded is not None:
+        title += f" ({solution.cost_rounded:.6g} with rounded edges)"
+    if solution.best_known is not None:
+        title += f"\ngap {solution.gap:+.2f}% to the best known {solution.best_known:.6g}"
+    ax.set_title(title, fontsize=10)
+    ax.set_aspect("equal")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path

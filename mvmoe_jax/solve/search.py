@@ -1,0 +1,317 @@
+"""How a batch of instances is searched: greedy POMO decoding with x8 augmentation, or sampling on top of it.
+
+A search is a function ``(decoder, batch, key, real) -> BatchResult`` registered in ``SEARCHES`` under the
+name ``--search`` takes; ``batch`` is a batched Instance (B, padded with copies of its first instance) of
+which the first ``real`` are wanted. Every search starts from greedy x8's routes and keeps the best it
+finds, so none returns a route worse than greedy's.
+
+- ``greedy``: every POMO start (customers 1..P) decoded greedily on the 8 symmetric copies of each instance;
+  the best of the 8P rollouts (``rollout.greedy_evaluate``).
+- ``sampling``: then rounds of ``samples`` sampled rollouts per start and copy (samples x 8 x P per instance
+  a round, all in one batched program), until ``time_limit`` seconds per instance (greedy included,
+  compilation not) or ``rounds`` rounds are spent. Round r draws from ``fold_in(key, r)``, so a run with the
+  same seed, inputs and options is repeated exactly by ``rounds`` = the rounds it reports.
+
+Memory: a decoding program is compiled for the batch and its size checked against ``Settings.memory_budget``
+(default: what the device has free; on a CPU half the free memory, shared by its devices). When it does not
+fit, fewer augmented instances are decoded at once (chunks, decoded one after another; same results), and
+when one at a time still does not fit, fewer POMO starts are used; ``DecodePlan`` says what was done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from mvmoe_jax import rollout
+from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
+from mvmoe_jax.instances import Instance
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
+
+DEFAULT_ROUNDS = 10          # sampling rounds when neither a time limit nor a number of rounds is given
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """time_limit: seconds per instance for greedy and search together (compilation excluded); rounds: at
+    most this many sampling rounds (default ``DEFAULT_ROUNDS`` when there is no time limit); samples:
+    sampled rollouts per POMO start and augmentation in a round; max_starts: at most this many POMO starts
+    (default all n); memory_budget: bytes a decoding program may use on each device (default: see the module
+    docstring)."""
+
+    time_limit: float | None = None
+    rounds: int | None = None
+    samples: int = 8
+    max_starts: int | None = None
+    memory_budget: int | None = None
+
+    def __post_init__(self):
+        if self.time_limit is not None and not self.time_limit > 0:
+            raise ValueError(f"--time_limit must be a positive number of seconds, got {self.time_limit}")
+        for name in ("rounds", "samples", "max_starts", "memory_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How a batch shape is decoded: ``starts`` of the ``num_customers`` POMO starts, ``chunk`` rows (augmented
+    or sampled instance copies) of ``rows`` at a time, ``memory_bytes`` of ``budget`` per device."""
+
+    num_customers: int
+    starts: int
+    chunk: int
+    rows: int
+    memory_bytes: int
+    budget: int
+
+    @property
+    def reduced_starts(self) -> bool:
+        return self.starts < self.num_customers
+
+    def describe(self) -> str:
+        starts = (f"{self.starts} of {self.num_customers} POMO starts" if self.reduced_starts
+                  else f"all {self.starts} POMO starts")
+        return f"{starts}, {self.chunk} of {self.rows} instance copies decoded at a time"
+
+
+@dataclasses.dataclass
+class BatchResult:
+    """Per instance of the batch (B): cost float32 (B,) of the best route found (unit square), actions int32
+    (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds run; seconds: the
+    batch's wall time without compilation; compile_seconds; plans: the DecodePlan of each program used."""
+
+    cost: np.ndarray
+    actions: np.ndarray
+    greedy_cost: np.ndarray
+    greedy_actions: np.ndarray
+    rounds: int
+    seconds: float
+    compile_seconds: float
+    plans: dict[str, DecodePlan]
+
+
+def memory_budget_bytes() -> int:
+    """Bytes a decoding program may use per device: 80% of an accelerator's free memory; on a CPU half the
+    free memory, shared out over its devices."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(0.8 * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return int(0.5 * host_available_bytes() / len(jax.local_devices()))
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give without swapping: Linux's MemAvailable (free memory and reclaimable caches),
+    else the free pages, else 8 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _smaller(value: int, need: int, budget: int, last: tuple[int, int] | None) -> int:
+    """The next, smaller ``value`` (chunk or starts) to try when it needs ``need`` bytes against ``budget``: where
+    the line through this and the ``last`` (value, need) measurement meets the budget, or without a second
+    measurement ``value`` scaled by budget / need; always at least one less, never below 1."""
+    if last is not None and last[0] != value and last[1] > need:
+        slope = (last[1] - need) / (last[0] - value)
+        target = int(value - (need - budget) / slope)
+    else:
+        target = int(value * 0.9 * budget / need)
+    return max(1, min(value - 1, target))
+
+
+def fit_to_memory(compile_at: Callable[[int, int], object], *, rows: int, starts: int, chunk: int, budget: int,
+                  num_customers: int):
+    """Compile ``compile_at(chunk, starts)`` (a compiled program with ``memory_analysis``), shrinking the chunk
+    and then the starts until it needs at most ``budget`` bytes per device. Returns (compiled, DecodePlan)."""
+    last_chunk = last_starts = None
+    while True:
+        compiled = compile_at(chunk, starts)
+        need = compiled.memory_bytes() if hasattr(compiled, "memory_bytes") else program_memory_bytes(compiled)
+        if need <= budget:
+            return compiled, DecodePlan(num_customers, starts, chunk, rows, need, budget)
+        if chunk > 1:
+            chunk, last_chunk = _smaller(chunk, need, budget, last_chunk), (chunk, need)
+        elif starts > 1:
+            starts, last_starts = _smaller(starts, need, budget, last_starts), (starts, need)
+        else:
+            raise ValueError(f"an instance of n = {num_customers} needs {need / 2**30:.2f} GiB to decode even one "
+                             f"start at a time, more than the {budget / 2**30:.2f} GiB available")
+
+
+def _default_chunk(starts: int, rows: int, num_devices: int) -> int:
+    """Rows decoded at once before any memory limit: a CPU's cache-sized chunk (``rollout.default_chunk_size``),
+    an accelerator's whole share of the rows."""
+    share = -(-rows // num_devices)
+    chunk = rollout.default_chunk_size(starts)
+    return share if chunk is None else min(chunk, share)
+
+
+def _sample_rows(policy: Policy, params, rows: Instance, key: jax.Array, starts: int, chunk: int,
+                 num_devices: int) -> tuple[jax.Array, jax.Array]:
+    """Sampled rollouts of M rows (each a batched instance copy), ``chunk`` rows at a time (``lax.map``),
+    the chunks dealt out over ``num_devices`` devices; chunk c samples from ``fold_in(key, c)``. Returns the
+    best start of each row: cost (M,) (+inf if unfinished) and actions int32 (M, T)."""
+    m = rows.locs.shape[0]
+    num_chunks = -(-m // chunk)
+    num_chunks = -(-num_chunks // num_devices) * num_devices
+    idx = jnp.concatenate([jnp.arange(m), jnp.zeros(num_chunks * chunk - m, jnp.int32)])
+    chunks = jax.tree.map(lambda x: x[idx].reshape((num_chunks, chunk) + x.shape[1:]), rows)
+    ids = jnp.arange(num_chunks)
+
+    def decode(params, key, chunks, ids):
+        def one(args):
+            c, i = args
+            out = rollout.rollout(policy, params, c, pomo_size=starts, decode_type="sampling",
+                                  rng=jax.random.fold_in(key, i))
+            best = rollout.best_starts(out.replace(cost=jnp.where(out.finished, out.cost, jnp.inf)))
+            return best.cost, best.actions
+        return jax.lax.map(one, (chunks, ids))
+
+    if num_devices == 1:
+        cost, actions = decode(params, key, chunks, ids)
+    else:
+        # check_vma=False: the rollout's loop starts its log-likelihood sum from zeros that do not vary over the
+        # devices and adds sampled choices that do; each device's rows are its own, so nothing is lost unchecked.
+        cost, actions = jax.shard_map(decode, mesh=local_mesh(num_devices),
+                                      in_specs=(P(), P(), P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS),
+                                      check_vma=False)(params, key, chunks, ids)
+    return cost.reshape(-1)[:m], actions.reshape((-1, actions.shape[-1]))[:m]
+
+
+@partial(jax.jit, static_argnames=("cfg", "starts", "samples", "chunk", "num_devices"))
+def sampling_round(cfg: PolicyConfig, params, inst: Instance, key: jax.Array, *, starts: int, samples: int,
+                   chunk: int, num_devices: int) -> tuple[jax.Array, jax.Array]:
+    """One round for a batch (B): ``samples`` sampled rollouts from each of ``starts`` POMO starts on each of
+    the 8 symmetric copies of each instance. Returns each instance's best: cost (B,), actions int32 (B, T)."""
+    b = inst.locs.shape[0]
+    flat = rollout.augmented_batch(inst)                                     # (8B, ...), augmentation-major
+    rows = jax.tree.map(lambda x: jnp.concatenate([x] * samples), flat)      # (S 8B, ...): row r is instance r % B
+    cost, actions = _sample_rows(Policy(cfg), params, rows, key, starts, chunk, num_devices)
+    cost = cost.reshape(-1, b)
+    best = jnp.argmin(cost, axis=0)
+    actions = actions.reshape(-1, b, actions.shape[-1])
+    return cost.min(0), jnp.take_along_axis(actions, best[None, :, None], axis=0)[0]
+
+
+# Compiled programs and their plans by (model configuration, batch shape, options): they take the parameters as
+# an argument, so every model of one configuration shares them, across solves in one process.
+_COMPILED: dict[tuple, tuple] = {}
+
+
+class Decoder:
+    """One model on this process's devices, with compiled greedy and sampling programs per batch shape, each
+    sized to the memory budget (``fit_to_memory``)."""
+
+    def __init__(self, cfg: PolicyConfig, params, settings: Settings = Settings()):
+        self.cfg, self.settings = cfg, settings
+        self.num_devices = len(jax.local_devices())
+        self.params = rollout.replicated(params)
+        self.budget = settings.memory_budget or memory_budget_bytes()
+
+    def starts(self, n: int) -> int:
+        return n if self.settings.max_starts is None else min(n, self.settings.max_starts)
+
+    def _cached(self, key: tuple, build):
+        """A cached program whose plan fits this budget, else ``build()`` (timed)."""
+        key = (self.cfg, self.num_devices, jax.config.jax_default_matmul_precision) + key
+        if key in _COMPILED and _COMPILED[key][1].memory_bytes <= self.budget:
+            return _COMPILED[key] + (0.0,)
+        t0 = time.perf_counter()
+        _COMPILED[key] = build()
+        return _COMPILED[key] + (time.perf_counter() - t0,)
+
+    def greedy_program(self, batch: Instance):
+        """(compiled greedy x8 for batches shaped like ``batch``, DecodePlan, seconds spent compiling now)."""
+        b, n = batch.locs.shape[0], batch.locs.shape[1] - 1
+        starts, rng = self.starts(n), jax.random.key(0)
+
+        def compile_at(chunk, p):
+            return rollout.compile_greedy_evaluate(self.cfg, self.params, batch, rng, pomo_size=p, augment=True,
+                                                   chunk_size=chunk)
+        return self._cached(("greedy", b, n, starts), lambda: fit_to_memory(
+            compile_at, rows=8 * b, starts=starts, budget=self.budget,
+            chunk=_default_chunk(starts, 8 * b, self.num_devices), num_customers=n))
+
+    def sampling_program(self, batch: Instance, starts: int):
+        """(compiled sampling round, DecodePlan, seconds spent compiling now) for ``starts`` POMO starts."""
+        b, n = batch.locs.shape[0], batch.locs.shape[1] - 1
+        samples = self.settings.samples
+        rows = samples * 8 * b
+        args = rollout.replicated((self.params, batch, jax.random.key(0)), self.num_devices)
+
+        def compile_at(chunk, p):
+            return sampling_round.lower(self.cfg, *args, starts=p, samples=samples, chunk=chunk,
+                                        num_devices=self.num_devices).compile()
+        return self._cached(("sampling", b, n, starts, samples), lambda: fit_to_memory(
+            compile_at, rows=rows, starts=starts, budget=self.budget,
+            chunk=_default_chunk(starts, rows, self.num_devices), num_customers=n))
+
+
+def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
+    """Greedy x8 from every start (within the memory plan)."""
+    compiled, plan, compile_s = decoder.greedy_program(batch)
+    t0 = time.perf_counter()
+    res = jax.device_get(compiled(decoder.params, batch, key))
+    seconds = time.perf_counter() - t0
+    if not np.all(res.all_finished[:real]):
+        raise RuntimeError("some greedy rollouts did not finish within 2n steps")
+    obj, actions = np.asarray(res.obj), np.asarray(res.best_actions)
+    return BatchResult(cost=obj, actions=actions, greedy_cost=obj.copy(), greedy_actions=actions.copy(), rounds=0,
+                       seconds=seconds, compile_seconds=compile_s, plans={"greedy": plan})
+
+
+def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
+    """Greedy x8 as the incumbent, then sampling rounds while the time limit and round count allow."""
+    result = greedy_search(decoder, batch, key, real)
+    settings = decoder.settings
+    max_rounds = settings.rounds
+    if max_rounds is None and settings.time_limit is None:
+        max_rounds = DEFAULT_ROUNDS
+    budget = None if settings.time_limit is None else settings.time_limit * real
+    compiled, plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts)
+    result.compile_seconds += compile_s
+    result.plans["sampling"] = plan
+    params, batch = rollout.replicated((decoder.params, batch), decoder.num_devices)
+    round_key = jax.random.fold_in(key, 1)
+    last = None
+    while max_rounds is None or result.rounds < max_rounds:
+        # A round starts only when it should end within the budget: predicted from the last round, or for the
+        # first from greedy's time (greedy decodes 1 / samples of a round's rollouts, each a little cheaper).
+        predicted = last if last is not None else 1.5 * settings.samples * result.seconds
+        if budget is not None and result.seconds + predicted > budget:
+            break
+        t0 = time.perf_counter()
+        k = rollout.replicated(jax.random.fold_in(round_key, result.rounds), decoder.num_devices)
+        cost, actions = jax.device_get(compiled(params, batch, k))
+        last = time.perf_counter() - t0
+        result.seconds += last
+        result.rounds += 1
+        better = np.asarray(cost) < result.cost
+        result.cost = np.where(better, cost, result.cost)
+        result.actions = np.where(better[:, None], actions, result.actions)
+    return result
+
+
+SEARCHES: dict[str, Callable[[Decoder, Instance, jax.Array, int], BatchResult]] = {
+    "greedy": greedy_search,
+    "sampling": sampling_search,
+}
