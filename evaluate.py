@@ -24,7 +24,7 @@ if __name__ == "__main__":
 from absl import app, flags
 from ml_collections import config_flags
 
-from mvmoe_jax import cli, precision
+from mvmoe_jax import cli, devices, precision
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
@@ -66,7 +66,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     try:
-        cli.use_cpu_devices(FLAGS.cpu_devices)
+        devices.use_cpu_devices(FLAGS.cpu_devices, what="--cpu_devices")    # any count: chunks are dealt out
         results = cli.run_evaluation(_CONFIG.value, FLAGS)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from mvmoe_jax import checkpoints, devices, evaluation, io, precision, problems
+from mvmoe_jax import checkpoints, evaluation, io, precision, problems
 from mvmoe_jax.nn.policy import PolicyConfig
 
 
@@ -52,14 +52,6 @@ def print_table(rows: list[tuple[str, float, float, float | None, float]]) -> No
     print(f"{'variant':10s} {'obj':>9s} {'obj_no_aug':>10s} {'gap %':>8s} {'time s':>8s}")
     for name, obj, no_aug, gap, secs in rows:
         print(f"{name:10s} {obj:9.4f} {no_aug:10.4f} {_fmt(gap, '8.3f'):>8s} {secs:8.2f}")
-
-
-def use_cpu_devices(count: int) -> int:
-    """Before any JAX computation: run on ``count`` CPU devices (0: one per usable core). Evaluation deals
-    its chunks out over however many there are, so any count works."""
-    if count < 0:
-        raise ValueError(f"--cpu_devices must be >= 0 (0: one per core), got {count}")
-    return devices.use_cpu_cores_as_devices(count or None)
 
 
 def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:

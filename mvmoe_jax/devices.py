@@ -107,6 +107,15 @@ def use_cpu_cores_as_devices(count: int | None = None) -> int:
     return count
 
 
+def use_cpu_devices(count: int, *batch_sizes: int, what: str = "cpu_devices") -> int:
+    """An entry point's setting of CPU devices: ``count`` devices, or with 0 one per usable core, reduced to
+    the largest count that divides every one of ``batch_sizes``. Before any JAX computation; returns it."""
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"{what} must be >= 0 (0: one per core), got {count}")
+    return use_cpu_cores_as_devices(count or largest_divisor_at_most(usable_cores(), *batch_sizes))
+
+
 def make_mesh(devices=None) -> Mesh:
     """A one-axis (``'data'``) mesh over ``devices`` (default: every device of every process)."""
     devices = jax.devices() if devices is None else list(devices)

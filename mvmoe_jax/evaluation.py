@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,15 @@ def pad_batch(inst: Instance, size: int) -> Instance:
     return take(inst, idx)
 
 
+def padded_batches(inst: Instance, batch_size: int) -> Iterator[tuple[int, int, Instance]]:
+    """(lo, hi, batch) over the K instances of ``inst`` in order: instances lo..hi-1 in a batch of exactly
+    ``batch_size`` (the last one padded by ``pad_batch``), so that one compiled function serves them all."""
+    k = inst.locs.shape[0]
+    for lo in range(0, k, batch_size):
+        hi = min(lo + batch_size, k)
+        yield lo, hi, pad_batch(take(inst, np.arange(lo, hi)), batch_size)
+
+
 def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: int | None = None,
                      augment: bool = True, batch_size: int = 64, seed: int = 0,
                      progress: bool = True, desc: str = "eval", check_routes: bool = True,
@@ -70,10 +80,8 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
 
     obj, obj_no_aug, actions = [], [], []
     t0 = time.perf_counter()
-    starts = range(0, k, bs)
-    for i, lo in enumerate(tqdm(starts, desc=desc, disable=not progress, leave=False)):
-        hi = min(lo + bs, k)
-        batch = pad_batch(take(inst, np.arange(lo, hi)), bs)
+    batches = tqdm(padded_batches(inst, bs), total=-(-k // bs), desc=desc, disable=not progress, leave=False)
+    for i, (lo, hi, batch) in enumerate(batches):
         res = compiled(params, batch, jax.random.fold_in(rng, i))
         res = jax.device_get(res)
         if not res.all_finished[: hi - lo].all():

@@ -330,11 +330,6 @@ class OptimizerSettings:
         return float(self.learning_rate) * (self.decay_factor if decayed else 1.0)
 
 
-def make_optimizer(learning_rate: float, weight_decay: float, decay_step: int | None = None,
-                   decay_factor: float = 0.1) -> optax.GradientTransformation:
-    return OptimizerSettings(learning_rate, weight_decay, decay_step, decay_factor).build()
-
-
 @struct.dataclass
 class TrainState:
     step: jax.Array          # int32 (): optimiser steps taken
@@ -470,8 +465,7 @@ def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, m
     the stepwise backward (the replay recomputes everything)."""
     if settings.resolved_backward != "stepwise":
         return False
-    num_devices = 1 if mesh is None else mesh.devices.size
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    num_devices, platform = _devices_and_platform(mesh)
     return reuses_sampling_pass(settings, cfg, num_nodes=inst.locs.shape[-2], max_steps=max_steps,
                                 trajectories_per_device=inst.locs.shape[0] * settings.pomo_size // num_devices,
                                 platform=platform)
@@ -481,9 +475,15 @@ def sampling_chunk(settings: StepSettings, cfg: PolicyConfig, inst: Instance, me
     """Instances per chunk in which ``sample_and_train_step``'s sampling pass decodes each device's share of
     ``inst`` (``chunked_sampling.sampling_chunk_size``; None: the whole share at once, ``rollout.rollout``).
     Same trajectories and record either way. See docs/performance.md, "Chunked sampling"."""
-    num_devices = 1 if mesh is None else mesh.devices.size
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    num_devices, platform = _devices_and_platform(mesh)
     return sampling_chunk_size(cfg, settings.pomo_size, inst.locs.shape[0] // num_devices, platform)
+
+
+def _devices_and_platform(mesh: Mesh | None) -> tuple[int, str]:
+    """(device count, platform name) of ``mesh``; None: the default device."""
+    if mesh is None:
+        return 1, jax.default_backend()
+    return mesh.devices.size, mesh.devices.flat[0].platform
 
 
 def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,

@@ -25,9 +25,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, precision, problems, shipped, training
+from mvmoe_jax import checkpoints, devices, precision, problems, shipped, training
 from mvmoe_jax.cli import policy_config
-from mvmoe_jax.devices import largest_divisor_at_most, usable_cores, use_cpu_cores_as_devices
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import PolicyConfig
@@ -107,12 +106,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
 def use_cpu_devices(config: ml_collections.ConfigDict) -> int:
     """Before any JAX computation: present the CPU as ``config.cpu_devices`` devices (0: one per usable
     core, reduced to the largest count that splits every batch of the run evenly). Returns the count."""
-    count = int(config.get("cpu_devices", 0))
-    _require(count >= 0, f"cpu_devices must be >= 0 (0: one per core), got {count}")
-    if count == 0:
-        plan = check_config(config)
-        count = largest_divisor_at_most(usable_cores(), config.batch_size, plan.last_batch)
-    return use_cpu_cores_as_devices(count)
+    return devices.use_cpu_devices(config.get("cpu_devices", 0), config.batch_size,
+                                   check_config(config).last_batch)
 
 
 def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> StepFunctions:
@@ -192,10 +187,10 @@ def _format_val(val: dict) -> str:
                      for k, v in val.items())
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) -> dict:
     """Train (or resume, or fine-tune) as ``config`` says; returns the last epoch's metrics record.
 
-    devices: the devices of the data-parallel mesh (default: all). ``config.stop_after_epoch`` ends the
+    mesh_devices: the devices of the data-parallel mesh (default: all). ``config.stop_after_epoch`` ends the
     run after that epoch (its checkpoint written), as if it had been stopped there; running again with a
     larger value (or 0) continues it.
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
@@ -205,7 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, devices=None) -> di
     stop_after_epoch = int(config.get("stop_after_epoch", 0)) or None
     if config.distributed:
         jax.distributed.initialize()
-    mesh = training.make_mesh(devices)
+    mesh = training.make_mesh(mesh_devices)
     n_dev = mesh.devices.size
     for size in {config.batch_size, plan.last_batch}:
         _require(size % n_dev == 0, f"batch of {size} instances cannot be split over {n_dev} devices: "

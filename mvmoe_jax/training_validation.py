@@ -62,11 +62,8 @@ class Validator:
         return out
 
     def _objectives(self, params, inst: Instance) -> np.ndarray:
-        k = inst.locs.shape[0]
         objs = []
-        for i, lo in enumerate(range(0, k, self.batch_size)):
-            hi = min(lo + self.batch_size, k)
-            batch = evaluation.pad_batch(jax.tree.map(lambda x: x[lo:hi], inst), self.batch_size)
+        for i, (lo, hi, batch) in enumerate(evaluation.padded_batches(inst, self.batch_size)):
             if self.sharding is not None:
                 batch = jax.device_put(batch, self.sharding)
             res = greedy_evaluate(self.cfg, params, batch, jax.random.fold_in(jax.random.key(0), i),

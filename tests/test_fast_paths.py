@@ -121,7 +121,7 @@ def test_hoisted_query_gives_the_plain_gradient(model, given):
                     p, sampling_cache, states.current, dyn, mask, None, True, True, True, method=Policy.decode,
                     rngs={"gating": jax.random.key(3)}))
                 weights_shape = mask.shape[:1] + (cfg.num_heads,) + mask.shape[1:]
-                assert attention.queries_major(record.attention_weights).shape == weights_shape
+                assert attention.kept_layout(record.attention_weights).shape == weights_shape
             logp, aux_t, _ = policy.apply(p, cache, states.current, dyn, mask, None, True, given=record,
                                           method=Policy.decode, rngs={"gating": jax.random.key(3)})
             recorded_logp = logp if record is None else sampled[0]
@@ -661,7 +661,7 @@ def test_recorded_weights_keys_major_where_transposed_operand_products_are_left_
     _, kept = attention.attention_from_scores(score, v, mask, with_weights=True)
     assert kept.shape == ((b, h, m, n) if against_transposes else (b, h, n, m))
     plain = jax.nn.softmax(jnp.where(mask[:, None], score, -jnp.inf), axis=-1)
-    np.testing.assert_allclose(attention.queries_major(kept), plain, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention.kept_layout(kept), plain, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("keys_major", [True, False])
@@ -689,7 +689,7 @@ def test_attention_given_weights_gradients_equal_autodiff(monkeypatch, from_outp
     out = attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", weights, v))
     kept = attention.kept_layout(weights)
     assert kept.shape == ((b, h, n, m) if keys_major else (b, h, m, n))
-    np.testing.assert_array_equal(attention.queries_major(kept), weights)
+    np.testing.assert_array_equal(attention.kept_layout(kept), weights)
     given = lambda q, k, v: attention.attention_with_given_weights(q, k, v, kept, out)
     reference = lambda q, k, v: attention.merge_heads(jnp.einsum("bhmn,bhnd->bhmd", plain(q, k, v), v))
     loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * cotangent_weights))

@@ -142,7 +142,7 @@ def test_decoder_record_size_and_when_it_is_kept():
                                                                 record_decoder=True))(params, mixed_batch(), jax.random.key(3))
     recorded = sum(x.nbytes for x in jax.tree.leaves(traj.decoder))
     assert recorded == training.decoder_record_bytes(cfg, 8 * N, N + 1, 40)
-    weights = attention.queries_major(traj.decoder.attention_weights)
+    weights = attention.kept_layout(traj.decoder.attention_weights)
     assert weights.shape == (40, 8, cfg.num_heads, N, N + 1)
     # Unrun steps stay zero; run steps hold softmax weights (rows summing to one where a trajectory was active).
     t = int(traj.num_steps)
@@ -273,7 +273,8 @@ def test_sampled_actions_follow_the_policy_and_never_take_a_masked_node():
 
 
 def test_loss_matches_an_independent_recomputation_and_a_step_lowers_it(tmp_path):
-    fns, plan = loop_functions(tiny_config(tmp_path))
+    config = tiny_config(tmp_path)
+    fns, plan = loop_functions(config)
     state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
     inst, rng = mixed_batch(), jax.random.key(5)
     traj = fns.sample(state.params, inst, rng)
@@ -286,7 +287,7 @@ def test_loss_matches_an_independent_recomputation_and_a_step_lowers_it(tmp_path
     for b in range(cost.shape[0]):
         reward = -cost[b, valid[b]]
         terms.extend(-(reward - reward.mean()) * ll[b, valid[b]])
-    alpha = 0.01 / 1e-3                   # the paper's alpha over the MoE layers' own 1e-3 weighting
+    alpha = config.aux_loss_coef / 1e-3   # the config's alpha over the MoE layers' own 1e-3 weighting
     expected = np.mean(terms) + alpha * float(traj.aux_loss)
 
     new_state, m = fns.update(state, inst, traj, rng)

@@ -264,14 +264,9 @@ def keys_major_weights() -> bool:
 
 
 def kept_layout(weights: jax.Array) -> jax.Array:
-    """Queries-major softmax weights (B, H, m, n) in the layout records keep (``keys_major_weights``)."""
+    """Queries-major softmax weights (B, H, m, n) in the layout records keep (``keys_major_weights``), and
+    back: the map is its own inverse (a swap of the last two axes, or nothing)."""
     return jnp.swapaxes(weights, -1, -2) if keys_major_weights() else weights
-
-
-def queries_major(kept_weights: jax.Array) -> jax.Array:
-    """Recorded softmax weights (see ``keys_major_weights``) as (B, H, m, n): ``kept_layout``'s inverse,
-    which is ``kept_layout`` itself (a swap of the last two axes, or nothing)."""
-    return kept_layout(kept_weights)
 
 
 def _scaled_scores(q: jax.Array, k: jax.Array) -> jax.Array:
