@@ -60,28 +60,27 @@ def base_config() -> ml_collections.ConfigDict:
     c.finetune_from = ""
     # Execution: how the gradient of the sampled trajectories is taken (mvmoe_jax/training.py).
     # "stepwise": one decoding step at a time under jax.vjp, over exactly the steps the batch needed;
-    # "replay": a teacher-forced replay of the decoder, differentiated as a whole; "auto": stepwise
-    # (measured faster on a 2-core CPU, 1.9x, and on an H200, 1.24x at n = 100, batch 512, in 1/7 the memory).
+    # "replay": a teacher-forced replay of the decoder, differentiated as a whole; "auto": stepwise, faster
+    # and smaller on CPUs and GPUs alike (docs/performance.md, "Stepwise backward").
     c.backward = "auto"
-    # The replay runs replay_chunk decoding steps at a time (vmapped; 1-4 is fastest on CPU, larger chunks
+    # The replay runs replay_chunk decoding steps at a time (vmapped; small chunks suit CPUs, larger ones
     # feed accelerators bigger matmuls), over a length rounded up to a multiple of replay_bucket (0: auto,
     # ceil(n/4); each length compiles once); replay_remat recomputes each chunk in the backward pass
-    # (less memory, ~1/3 more compute).
+    # (less memory, more compute).
     c.replay_chunk = 8
     c.replay_bucket = 0
     c.replay_remat = False
     # The stepwise backward can take each decoding step's attention and readout products from a record the
-    # sampling pass keeps instead of computing them again: "auto" (on a CPU when the record fits in 1 GiB
-    # per device: n = 50 at 32 instances per device, not n = 100; MVMoE/4E only, measured 0.11 s per
-    # step faster on 2 cores), "always", "never" (training.reuses_sampling_pass). The same gradient up to
-    # float rounding.
+    # sampling pass keeps instead of computing them again: "auto" (MVMoE/4E on a CPU when the record fits
+    # in 1 GiB per device; docs/performance.md, "Reuse of the sampling pass"), "always", "never"
+    # (training.reuses_sampling_pass). The same gradient up to float rounding.
     c.reuse_sampling = "auto"
     # CPU cores as separate JAX devices, each training on its share of the batch (mvmoe_jax/devices.py;
-    # measured 1.2-1.3x faster on 2 cores). 0: one per core, reduced to the largest count that splits
+    # docs/performance.md, "Cores as devices"). 0: one per core, reduced to the largest count that splits
     # every batch evenly; N: exactly N (the batch sizes must divide by it). Accelerators are not affected.
     c.cpu_devices = 0
-    # float32 matmuls on GPUs (mvmoe_jax/precision.py): training allows TF32 (1.38x faster greedy decoding on
-    # an H200, results 0.04 % off); evaluation runs in full float32 (the original implementation's numbers).
+    # float32 matmuls on GPUs (mvmoe_jax/precision.py): training allows TF32 (docs/performance.md, "Matmul
+    # precision on a GPU"); evaluation runs in full float32 (the original implementation's numbers).
     # float32 | tensorfloat32 | bfloat16 | default (JAX's). No effect on a CPU.
     c.matmul_precision = "tensorfloat32"
     c.distributed = False             # call jax.distributed.initialize() (multi-host runs)
