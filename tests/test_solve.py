@@ -336,7 +336,8 @@ def test_nothing_is_written_for_a_route_the_checker_refuses(tmp_path, shipped_sm
     assert "the route fails the checker (capacity at position 2 (node 7)); nothing written" in capsys.readouterr().err
     assert not (tmp_path / "out" / "one.sol").exists()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["instances"][0]["feasible"] is False and summary["instances"][0]["files"] == {}
+    entry = summary["instances"][0]
+    assert entry["feasible"] is False and entry["files"] == {} and entry["routes"] is None
 
 
 def test_without_a_checkpoint_or_a_shipped_model_the_command_says_what_is_required(tmp_path):
@@ -351,6 +352,16 @@ def test_without_a_checkpoint_or_a_shipped_model_the_command_says_what_is_requir
     assert res.stderr.strip().splitlines() == [
         "error: --checkpoint is required: no models ship with this installation yet (shipped models: none); give an "
         "orbax checkpoint, a training workdir or an original .pt file"]
+
+
+def test_while_no_model_ships_the_checkpoint_is_required(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "none")
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"capacity": 5, "depot": [0, 0], "customers": [[3, 4]], "demand": [1]}))
+    assert main([str(path), f"--output={tmp_path / 'out'}"]) == 2
+    assert "error: --checkpoint is required: no models ship with this installation yet (shipped models: none)" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_search_choices_are_the_implemented_ones(capsys):

@@ -83,7 +83,11 @@ class Solution:
     files: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The summary's entry; a route the checker refused is left out (``routes`` null), as from every file."""
+        out = dataclasses.asdict(self)
+        if not self.feasible:
+            out["routes"] = None
+        return out
 
 
 @dataclasses.dataclass
@@ -236,6 +240,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
                                   + (f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""), refused)
     models = Models(checkpoint)
     names = {p.num_customers: models.name_for(p.num_customers) for p in problems}
+    for name in dict.fromkeys(names.values()):
+        models.load(name)                     # every checkpoint read before anything is solved or written
 
     def model_for(n):
         return (names[n],) + models.load(names[n])
