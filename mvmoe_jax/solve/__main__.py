@@ -53,10 +53,8 @@ def main(argv=None, *, setup_devices: bool = False) -> int:
     args = _parser(search.SEARCHES).parse_args(argv)
     try:
         if setup_devices:
-            if args.cpu_devices < 0:
-                raise ValueError(f"--cpu_devices must be >= 0 (0: one per core), got {args.cpu_devices}")
             from mvmoe_jax import devices
-            devices.use_cpu_cores_as_devices(args.cpu_devices or None)
+            devices.use_cpu_devices(args.cpu_devices, what="--cpu_devices")    # any count: chunks are dealt out
         report = api.solve(args.inputs, checkpoint=args.checkpoint, search=args.search, time_limit=args.time_limit,
                            rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
                            problem=args.problem, num_instances=args.num_instances, bks=args.bks,
