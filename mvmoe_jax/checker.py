@@ -9,6 +9,7 @@ policy acting in our environment could have produced this route".
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Sequence
 
@@ -163,6 +164,19 @@ def split_subtours(route: Sequence[int]) -> list[list[int]]:
     if cur:
         tours.append(cur)
     return tours
+
+
+def tours_cost(coords: np.ndarray, routes: Sequence[Sequence[int]], is_open: bool, rounded: bool = False) -> float:
+    """The cost of ``routes`` (lists of customers 1..n) on coordinates float64 (n+1, 2), depot first: Euclidean
+    edges (each rounded to the nearest integer with ``rounded``, CVRPLIB's convention), the depot closing every
+    route unless routes are open."""
+    total = 0.0
+    for tour in routes:
+        seq = [0, *tour] + ([] if is_open else [0])
+        for a, b in zip(seq[:-1], seq[1:]):
+            d = math.dist(coords[a], coords[b])
+            total += math.floor(d + 0.5) if rounded else d
+    return total
 
 
 def actions_to_route(actions) -> list[int]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import math
 import os
 from typing import Any
 
 import ml_collections
 import numpy as np
 
-from mvmoe_jax import checkpoints, evaluation, io, precision, problems
+from mvmoe_jax import checker, checkpoints, evaluation, io, precision, problems
 from mvmoe_jax.nn.policy import PolicyConfig
 
 
@@ -131,15 +130,11 @@ def _read_benchmark_file(path: str):
     return io.read_solomon(path)
 
 
-def _original_cost(route: list[int], locs_unit: np.ndarray, meta, rounded: bool) -> float:
-    """Cost of a route in the file's own units; CVRPLIB rounds every edge to the nearest integer."""
-    xy = np.asarray(locs_unit, np.float64) * meta.scale + np.asarray(meta.offset, np.float64)
-    seq = [0] + list(route) + [0]
-    total = 0.0
-    for a, b in zip(seq[:-1], seq[1:]):
-        d = math.dist(xy[a], xy[b])
-        total += math.floor(d + 0.5) if rounded else d
-    return total
+def _original_cost(route: list[int], inst, meta, rounded: bool) -> float:
+    """Cost of a route (the paper's flat format) of one instance in the file's own units; CVRPLIB rounds
+    every edge to the nearest integer. Open routes do not return to the depot."""
+    xy = np.asarray(inst.locs[0], np.float64) * meta.scale + np.asarray(meta.offset, np.float64)
+    return checker.tours_cost(xy, checker.split_subtours(route), bool(np.asarray(inst.is_open).reshape(-1)[0]), rounded)
 
 
 def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
@@ -157,7 +152,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
                                           progress=False, desc=meta.name,
                                           chunk_size=getattr(flags, "chunk_size", None))
         rounded = path.endswith(".vrp")
-        obj = _original_cost(res.routes[0], np.asarray(inst.locs[0]), meta, rounded)
+        obj = _original_cost(res.routes[0], inst, meta, rounded)
         best = bks.get(meta.name)
         gap = None if best is None else (obj - best) / best * 100.0
         if gap is not None:

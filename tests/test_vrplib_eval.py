@@ -57,3 +57,19 @@ def test_vrplib_dir_without_files(torch_fixtures, tmp_path):
         data_dir=None, problems="ALL", size=50, reference=None)
     with pytest.raises(FileNotFoundError, match="no .vrp or Solomon .txt files"):
         cli.run_evaluation(pomo_mtl.get_config(), flags)
+
+
+def test_costs_in_file_units_leave_out_the_return_of_open_routes(tmp_path):
+    """evaluate.py's cost in a .vrp file's units: an open route does not drive back to the depot."""
+    from mvmoe_jax import io
+
+    text = ("NAME : square\nTYPE : {type}\nDIMENSION : 3\nEDGE_WEIGHT_TYPE : EUC_2D\nCAPACITY : 10\n"
+            "NODE_COORD_SECTION\n1 0 0\n2 30 40\n3 30 0\nDEMAND_SECTION\n1 0\n2 1\n3 1\nDEPOT_SECTION\n1\n-1\nEOF\n")
+    costs = {}
+    for kind in ("CVRP", "OVRP"):
+        path = tmp_path / f"{kind}.vrp"
+        path.write_text(text.format(type=kind))
+        inst, meta = io.read_vrplib(str(path))
+        costs[kind] = cli._original_cost([1, 2], inst, meta, rounded=False)
+    assert costs["CVRP"] == pytest.approx(50 + 40 + 30, rel=1e-6)       # 0 -> 1 -> 2 -> 0
+    assert costs["OVRP"] == pytest.approx(50 + 40, rel=1e-6)            # no way back

@@ -137,7 +137,7 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
     is_open = bool(p.instance.is_open)
     searched = checker.split_subtours(checker.actions_to_route(actions))
     greedy = checker.split_subtours(checker.actions_to_route(greedy_actions))
-    cost, greedy_cost = (outputs.route_cost(p.coords, r, is_open) for r in (searched, greedy))
+    cost, greedy_cost = (checker.tours_cost(p.coords, r, is_open) for r in (searched, greedy))
     violation = None if check.feasible else (
         check.violation if check.position is None else f"{check.violation} at position {check.position} (node {check.node})")
     if check.feasible and abs(check.cost - unit_cost) > COST_RTOL * max(check.cost, 1e-12):
@@ -146,7 +146,7 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
         violation = f"cost {cost:.7g} in the input's units but the checker's is {check.cost * p.scale:.7g}"
     if greedy_cost < cost:          # float rounding only: the search compared float32 costs
         searched, cost = greedy, greedy_cost
-    rounded = outputs.route_cost(p.coords, searched, is_open, rounded=True) if p.round_costs else None
+    rounded = checker.tours_cost(p.coords, searched, is_open, rounded=True) if p.round_costs else None
     compared = rounded if rounded is not None else cost
     gap = None if p.best_known is None else (compared - p.best_known) / p.best_known * 100.0
     return Solution(name=p.name, source=p.source, variant=p.variant, num_customers=p.num_customers, routes=searched,
