@@ -61,15 +61,17 @@ def num_starts(num_customers: int, has_backhaul, pomo_size: int):
 def start_nodes(inst: Instance, pomo_size: int) -> tuple[jax.Array, jax.Array]:
     """(starts int32 (B, P), valid bool (B, P)): the first P linehaul customers of each instance.
 
-    Without backhauls every customer is a linehaul, so this is customers 1..P. Invalid (padded) starts
-    repeat the first linehaul.
+    Without backhauls every customer is a linehaul, so this is customers 1..P. An instance of backhauls
+    only starts at its first backhauls (the vehicle leaves the depot empty; the reference's generator
+    never makes one). Invalid (padded) starts repeat the first start.
     """
     n = inst.locs.shape[-2] - 1
     p = min(pomo_size, n)
     linehaul = inst.demand[:, 1:] > 0                                          # (B, n)
-    # Stable ordering: linehauls first, in index order.
-    order = jnp.argsort(~linehaul, axis=-1, stable=True)[:, :p] + 1            # (B, P)
-    count = jnp.minimum(num_starts(n, inst.has_backhaul, pomo_size), linehaul.sum(-1))
+    first = jnp.where(linehaul.any(-1, keepdims=True), linehaul, True)         # where a route may begin
+    # Stable ordering: those customers first, in index order.
+    order = jnp.argsort(~first, axis=-1, stable=True)[:, :p] + 1               # (B, P)
+    count = jnp.minimum(num_starts(n, inst.has_backhaul, pomo_size), first.sum(-1))
     valid = jnp.arange(p)[None, :] < count[:, None]
     starts = jnp.where(valid, order, order[:, :1])
     return starts.astype(jnp.int32), valid
