@@ -157,6 +157,24 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
     return state, meta
 
 
+# The config fields that decide what a run computes: resuming with another value would silently continue a
+# different run. The others (workdir, stop_after_epoch, time_limit_seconds, validation and checkpoint
+# cadence, devices, progress bar, execution choices that give the same results) may change between calls.
+RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "epochs", "train_episodes",
+              "batch_size", "learning_rate", "weight_decay", "lr_decay_epoch_fraction", "lr_decay_factor",
+              "aux_loss_coef", "finetune_from")
+
+
+def check_same_run(stored: dict, config: ml_collections.ConfigDict, workdir: str) -> None:
+    """A ValueError naming every run-defining field (``RUN_FIELDS``) in which ``config`` differs from the
+    config stored with the workdir's checkpoint."""
+    diff = [f"{k}: stored {stored[k]!r}, command {config[k]!r}" for k in RUN_FIELDS
+            if k in stored and k in config and stored[k] != config[k]]
+    if diff:
+        raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(diff)}); resume it with "
+                         "the stored settings, or give another workdir")
+
+
 def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> None:
     want = requested.to_dict()
     diff = [f"{k}: stored {stored.get(k)!r}, requested {want[k]!r}" for k in want if stored.get(k) != want[k]]
@@ -217,6 +235,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     try:
         if mngr.latest_step() is not None:
             state, meta = restore_checkpoint(mngr, template, cfg)
+            check_same_run(meta.get("config", {}), config, workdir)
             start_epoch = meta["epoch"]
             run_key = jax.random.wrap_key_data(np.asarray(meta["rng_key_data"], np.uint32))
             truncate_metrics(metrics_path, start_epoch)

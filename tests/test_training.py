@@ -460,3 +460,14 @@ def test_sharded_step_with_and_without_the_record_and_grouping():
     assert out["sgd_pomo"]["loss"][0] == pytest.approx(out["sgd_pomo_record"]["loss"][0], rel=1e-4)
     # Grouped or dense, the same step.
     assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
+
+
+def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path):
+    first = tiny_config(tmp_path / "run", stop_after_epoch=1)
+    training_loop.train_and_evaluate(first)
+    changed = tiny_config(tmp_path / "run", batch_size=16, learning_rate=5e-4)
+    with pytest.raises(ValueError, match=r"other settings \(batch_size: stored 8, command 16; learning_rate: "):
+        training_loop.train_and_evaluate(changed)
+    # What may change between calls does not stop it: where to stop, the budget, the validation cadence.
+    again = tiny_config(tmp_path / "run", stop_after_epoch=2, time_limit_seconds=3600.0, validate_every_epochs=2)
+    assert training_loop.train_and_evaluate(again)["epoch"] == 2
