@@ -165,13 +165,36 @@ RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batc
               "aux_loss_coef", "finetune_from")
 
 
+class RunMismatchError(ValueError):
+    """A workdir holds a run of another model or with other run-defining settings."""
+
+
+def restore_latest_readable(mngr: ocp.CheckpointManager, template: TrainState, cfg: PolicyConfig, workdir: str
+                            ) -> tuple[TrainState, dict]:
+    """``restore_checkpoint`` of the newest checkpoint that reads back whole: a damaged one (a truncated or
+    corrupted file, after a crash or a full disk) is reported by name and the one before it is tried."""
+    epochs = sorted(mngr.all_steps(), reverse=True)
+    for i, epoch in enumerate(epochs):
+        try:
+            return restore_checkpoint(mngr, template, cfg, epoch)
+        except RunMismatchError:
+            raise
+        except Exception as e:     # orbax and tensorstore report damage with many exception types
+            where = os.path.join(workdir, CHECKPOINT_DIR, str(epoch))
+            later = f"falling back to epoch {epochs[i + 1]}" if i + 1 < len(epochs) else "no older checkpoint left"
+            _say(f"warning: the checkpoint of epoch {epoch} ({where}) cannot be read ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0][:200] if str(e) else ''}); {later}")
+    raise ValueError(f"no checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)} can be read (epochs "
+                           f"{', '.join(map(str, epochs))}); move the workdir aside to start again")
+
+
 def check_same_run(stored: dict, config: ml_collections.ConfigDict, workdir: str) -> None:
     """A ValueError naming every run-defining field (``RUN_FIELDS``) in which ``config`` differs from the
     config stored with the workdir's checkpoint."""
     diff = [f"{k}: stored {stored[k]!r}, command {config[k]!r}" for k in RUN_FIELDS
             if k in stored and k in config and stored[k] != config[k]]
     if diff:
-        raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(diff)}); resume it with "
+        raise RunMismatchError(f"{workdir} holds a run made with other settings ({'; '.join(diff)}); resume it with "
                          "the stored settings, or give another workdir")
 
 
@@ -179,7 +202,7 @@ def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> No
     want = requested.to_dict()
     diff = [f"{k}: stored {stored.get(k)!r}, requested {want[k]!r}" for k in want if stored.get(k) != want[k]]
     if diff:
-        raise ValueError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use another "
+        raise RunMismatchError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use another "
                          "workdir, or the stored model settings to resume")
 
 
@@ -234,7 +257,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     mngr = checkpoint_manager(workdir, config.keep_checkpoints)
     try:
         if mngr.latest_step() is not None:
-            state, meta = restore_checkpoint(mngr, template, cfg)
+            state, meta = restore_latest_readable(mngr, template, cfg, workdir)
             check_same_run(meta.get("config", {}), config, workdir)
             start_epoch = meta["epoch"]
             run_key = jax.random.wrap_key_data(np.asarray(meta["rng_key_data"], np.uint32))

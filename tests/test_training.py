@@ -471,3 +471,30 @@ def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path):
     # What may change between calls does not stop it: where to stop, the budget, the validation cadence.
     again = tiny_config(tmp_path / "run", stop_after_epoch=2, time_limit_seconds=3600.0, validate_every_epochs=2)
     assert training_loop.train_and_evaluate(again)["epoch"] == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_a_damaged_latest_checkpoint_is_named_and_the_run_goes_on_from_the_one_before(tmp_path, capsys, damage):
+    straight = tiny_config(tmp_path / "straight")
+    training_loop.train_and_evaluate(straight)
+    run = tiny_config(tmp_path / "run", stop_after_epoch=2)
+    training_loop.train_and_evaluate(run)
+    data = [os.path.join(root, f) for root, _, files in os.walk(os.path.join(run.workdir, "checkpoints", "2", "params"))
+            for f in files if os.sep + "d" + os.sep in os.path.join(root, f)]
+    assert data
+    for path in data:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            if damage == "truncated":
+                f.truncate(size // 2)
+            else:
+                f.write(b"\xff" * size)
+    capsys.readouterr()
+    run.stop_after_epoch = 0
+    last = training_loop.train_and_evaluate(run)
+    out = capsys.readouterr().out
+    assert f"the checkpoint of epoch 2 ({os.path.join(run.workdir, 'checkpoints', '2')}) cannot be read" in out
+    assert "falling back to epoch 1" in out and "resuming" in out and last["epoch"] == 4
+    _, p1 = checkpoints.load_policy(straight.workdir)
+    _, p2 = checkpoints.load_policy(run.workdir)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), p1, p2)
