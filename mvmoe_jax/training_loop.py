@@ -158,9 +158,10 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 
 
 # The config fields that decide what a run computes: resuming with another value would silently continue a
-# different run. The others (workdir, stop_after_epoch, time_limit_seconds, validation and checkpoint
-# cadence, devices, progress bar, execution choices that give the same results) may change between calls.
-RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "epochs", "train_episodes",
+# different run. The others may change between calls: workdir, stop_after_epoch, time_limit_seconds, the
+# validation and checkpoint cadence, devices, the progress bar, execution choices that give the same
+# results, and epochs (a run may be extended; the learning-rate schedule follows the new count).
+RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
               "batch_size", "learning_rate", "weight_decay", "lr_decay_epoch_fraction", "lr_decay_factor",
               "aux_loss_coef", "finetune_from")
 
