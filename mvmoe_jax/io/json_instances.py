@@ -26,7 +26,6 @@ maps costs back. The rules are the environment's (docs/environment.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
@@ -35,7 +34,7 @@ import numpy as np
 
 from mvmoe_jax import checker, problems
 from mvmoe_jax.instances import Instance, from_arrays
-from mvmoe_jax.io.vrplib_io import require_file, to_unit_square, unit_square_transform
+from mvmoe_jax.io.vrplib_io import read_json, require_file, to_unit_square, unit_square_transform
 
 REQUIRED = ("capacity", "depot", "customers", "demand")
 OPTIONAL = ("name", "time_windows", "service_times", "depot_close", "route_limit", "open_routes", "best_known")
@@ -164,11 +163,7 @@ def read_json_instances(path: str | os.PathLike) -> list[tuple[Instance, JsonMet
     before they open, and a customer no route can serve (a window closing before a vehicle can arrive, a
     route limit shorter than its round trip, ...)."""
     path = require_file(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    data = read_json(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     if isinstance(data, dict):
         return [parse_instance(data, path, stem)]

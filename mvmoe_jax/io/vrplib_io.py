@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,6 +46,15 @@ def require_file(path: str | os.PathLike) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Unit-square scaling, shared with the Solomon reader
 # ----------------------------------------------------------------------------------------------------
+
+def read_json(path: str) -> Any:
+    """The JSON value in the file at ``path`` (after ``require_file``); a ValueError naming it otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from None
+
 
 def unit_square_transform(xy: np.ndarray, *, source: str,
                           loc_scale: float | None = None) -> tuple[np.ndarray, float]:
@@ -399,11 +409,7 @@ def load_bks(path: str | os.PathLike, section: str | None = None) -> dict[str, f
     that section is returned; otherwise all sections are merged (a name in two sections is an error).
     """
     path = require_file(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object of sections, got {type(data).__name__}")
     sections = {k: v for k, v in data.items() if isinstance(v, dict)}
