@@ -121,9 +121,9 @@ def write_variant_order(args, seed: int) -> None:
     steps = -(-max(int(p) for p in args.points.split(",")) // args.batch)
     order = []
     for step in range(steps):
-        k_data, _ = jax.random.split(training.step_key(jax.random.key(seed), step))
-        k_var, _ = jax.random.split(k_data)          # as training.generate_training_batch draws it
-        order.append(TRAIN_VARIANTS[int(jax.random.randint(k_var, (), 0, len(TRAIN_VARIANTS)))])
+        k_data, _ = jax.random.split(training.step_key(jax.random.key(seed), step))    # as StepFunctions.step
+        index = training.batch_variants(k_data, len(TRAIN_VARIANTS), args.batch, mixed=False)[0]
+        order.append(TRAIN_VARIANTS[int(index)])
     path = _variant_order_path(pathlib.Path(args.workdir), seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(order))
@@ -157,7 +157,7 @@ def ours_side(args, arm: str, overrides: dict) -> None:
     """Trains our model from each seed's initial weights with our training step, keeping snapshots."""
     import jax
 
-    from mvmoe_jax import checkpoints, training, training_loop
+    from mvmoe_jax import checkpoints, shipped, training, training_loop
 
     workdir = pathlib.Path(args.workdir)
     points = sorted(int(p) for p in args.points.split(","))
@@ -184,28 +184,14 @@ def ours_side(args, arm: str, overrides: dict) -> None:
             if seen in points:
                 out = _snapshot_path(workdir, arm, seed, seen).with_suffix(".npz")
                 out.parent.mkdir(parents=True, exist_ok=True)
-                flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
-                        for path, v in jax.tree_util.tree_leaves_with_path(jax.device_get(state.params))}
-                np.savez(out, **flat)
+                shipped.write_params(out, jax.device_get(state.params))
         fns.release_buffers()
         print(f"{arm} seed {seed}: {points[-1]} instances in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def _load_npz_params(path: pathlib.Path, template):
-    import jax
-
-    with np.load(path) as f:
-        stored = dict(f)
-    leaves = []
-    for keypath, leaf in jax.tree_util.tree_leaves_with_path(template):
-        name = "/".join(str(getattr(k, "key", k)) for k in keypath)
-        leaves.append(stored[name].astype(np.asarray(leaf).dtype))
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
-
-
 def evaluate_all(args, arms: list[str]) -> dict:
     """{arm: {seed: {instances: {variant: mean objective}}}}, every snapshot by our greedy evaluation."""
-    from mvmoe_jax import checkpoints, problems
+    from mvmoe_jax import checkpoints, problems, shipped
     from mvmoe_jax.training_validation import Validator
 
     workdir = pathlib.Path(args.workdir)
@@ -232,7 +218,6 @@ def evaluate_all(args, arms: list[str]) -> dict:
     for seed in seeds:
         init = _init_path(workdir, seed)
         init_val = validate(init, lambda: checkpoints.load_policy(str(init), cfg)[1])
-        template = None
         for arm in arms:
             per_point = {0: init_val}
             for p in points[1:]:
@@ -240,9 +225,7 @@ def evaluate_all(args, arms: list[str]) -> dict:
                 if arm == AUTHORS_ARM:
                     per_point[p] = validate(path, lambda: checkpoints.load_policy(str(path), cfg)[1])
                 else:
-                    if template is None:
-                        template = checkpoints.load_policy(str(init), cfg)[1]
-                    per_point[p] = validate(path, lambda: _load_npz_params(path.with_suffix(".npz"), template))
+                    per_point[p] = validate(path, lambda: shipped.read_params(path.with_suffix(".npz")))
             results[arm][seed] = per_point
             print(f"evaluated {arm} seed {seed}", flush=True)
     return results
@@ -348,7 +331,7 @@ def main(argv=None) -> dict:
         return {}
     os.makedirs(args.workdir, exist_ok=True)
     from mvmoe_jax import devices
-    devices.use_cpu_cores_as_devices(devices.largest_divisor_at_most(devices.usable_cores(), args.batch))
+    devices.use_cpu_devices(0, args.batch)
     t0 = time.perf_counter()
     if args.paired_variants:
         for seed in args.seeds.split(","):

@@ -117,29 +117,41 @@ def load(name: str, cfg: PolicyConfig | None = None, root: pathlib.Path | None =
         raise ShippedModelError(f"the weights of shipped model {name!r} ({path}) are damaged (checksum mismatch); "
                                 "reinstall the package")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            flat = {k: f[k] for k in f.files}
+        params = read_params(path)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
         raise ShippedModelError(f"the weights of shipped model {name!r} ({path}) cannot be read: {e}") from None
+    check_params_fit(params["params"], cfg, f"shipped model {name!r}")
+    return cfg, params
+
+
+def write_params(path: str | os.PathLike, params: dict) -> int:
+    """Write ``params`` ({"params": ...}) as one float32 array per parameter, named by its tree path
+    (``layers_0/feed_forward/experts_w1``), into the ``.npz`` file ``path``; returns the parameter count."""
+    flat = {"/".join(k): np.asarray(v, np.float32) for k, v in traverse_util.flatten_dict(params["params"]).items()}
+    np.savez(path, **flat)
+    return int(sum(v.size for v in flat.values()))
+
+
+def read_params(path: str | os.PathLike) -> dict:
+    """``{"params": ...}`` from a file ``write_params`` wrote (no pickles: loading runs no code). A
+    ValueError for an array that is not float32."""
+    with np.load(path, allow_pickle=False) as f:
+        flat = {k: f[k] for k in f.files}
     bad = [k for k, v in flat.items() if v.dtype != np.float32]
     if bad:
-        raise ShippedModelError(f"shipped model {name!r}: parameters not float32: {', '.join(bad[:4])}")
-    tree = traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v) for k, v in flat.items()})
-    check_params_fit(tree, cfg, f"shipped model {name!r}")
-    return cfg, {"params": tree}
+        raise ValueError(f"parameters not float32: {', '.join(bad[:4])}")
+    return {"params": traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v) for k, v in flat.items()})}
 
 
 def export(folder: str | os.PathLike, params: dict, cfg: PolicyConfig, card_fields: dict[str, Any]) -> pathlib.Path:
     """Write ``params`` ({"params": ...}) and a card into ``folder`` (created). Returns the folder."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    flat = {"/".join(k): np.asarray(v, np.float32)
-            for k, v in traverse_util.flatten_dict(params["params"]).items()}
-    np.savez(folder / PARAMS_FILE, **flat)
+    num_params = write_params(folder / PARAMS_FILE, params)
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k in ARCHITECTURE_FIELDS}
     arch["expert_loc"] = list(arch["expert_loc"])
     body = {"name": folder.name, "architecture": arch, "params_sha256": sha256(folder / PARAMS_FILE),
-            "num_params": int(sum(v.size for v in flat.values())), **card_fields}
+            "num_params": num_params, **card_fields}
     with open(folder / CARD_FILE, "w") as f:
         json.dump(body, f, indent=1)
         f.write("\n")
