@@ -359,11 +359,17 @@ def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
     """Fresh instances: one variant drawn uniformly for the whole batch (the reference), or per instance
     when ``mixed``. jit-compatible with everything but ``key`` static."""
     table = jnp.asarray(np.asarray(variant_flags, bool))
-    k_var, k_inst = jax.random.split(key)
-    idx = jax.random.randint(k_var, (batch,) if mixed else (), 0, table.shape[0])
-    flags = table[jnp.broadcast_to(idx, (batch,))]
+    flags = table[batch_variants(key, table.shape[0], batch, mixed)]
+    k_inst = jax.random.split(key)[1]
     return jax.vmap(generate_instance, in_axes=(0, 0, None))(jax.random.split(k_inst, batch), flags,
                                                              num_customers)
+
+
+def batch_variants(key: jax.Array, num_variants: int, batch: int, mixed: bool) -> jax.Array:
+    """int (batch,): the index (into the training variants) of each instance ``generate_training_batch``
+    draws from ``key``; one index for the whole batch unless ``mixed``."""
+    idx = jax.random.randint(jax.random.split(key)[0], (batch,) if mixed else (), 0, num_variants)
+    return jnp.broadcast_to(idx, (batch,))
 
 
 @dataclasses.dataclass(frozen=True)
