@@ -186,7 +186,7 @@ def restore_latest_readable(mngr: ocp.CheckpointManager, template: TrainState, c
             _say(f"warning: the checkpoint of epoch {epoch} ({where}) cannot be read ({type(e).__name__}: "
                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); {later}")
     raise ValueError(f"no checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)} can be read (epochs "
-                           f"{', '.join(map(str, epochs))}); move the workdir aside to start again")
+                     f"{', '.join(map(str, epochs))}); move the workdir aside to start again")
 
 
 def check_same_run(stored: dict, config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -195,16 +195,16 @@ def check_same_run(stored: dict, config: ml_collections.ConfigDict, workdir: str
     diff = [f"{k}: stored {stored[k]!r}, command {config[k]!r}" for k in RUN_FIELDS
             if k in stored and k in config and stored[k] != config[k]]
     if diff:
-        raise RunMismatchError(f"{workdir} holds a run made with other settings ({'; '.join(diff)}); resume it with "
-                         "the stored settings, or give another workdir")
+        raise RunMismatchError(f"{workdir} holds a run made with other settings ({'; '.join(diff)}); resume it "
+                               "with the stored settings, or give another workdir")
 
 
 def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> None:
     want = requested.to_dict()
     diff = [f"{k}: stored {stored.get(k)!r}, requested {want[k]!r}" for k in want if stored.get(k) != want[k]]
     if diff:
-        raise RunMismatchError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use another "
-                         "workdir, or the stored model settings to resume")
+        raise RunMismatchError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use "
+                               "another workdir, or the stored model settings to resume")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -363,7 +363,8 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
             if "val" in record:
                 plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
         # With a wall-clock budget the run ends when another epoch like this one would overrun it.
-        out_of_time = bool(time_limit) and time.perf_counter() - wall0 + (time.perf_counter() - t0) > time_limit
+        now = time.perf_counter()
+        out_of_time = bool(time_limit) and (now - wall0) + (now - t0) > time_limit
         last = epoch == config.epochs or epoch == stop_after_epoch or out_of_time
         if epoch % config.checkpoint_every_epochs == 0 or last:
             save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
