@@ -16,15 +16,10 @@ import json
 import os
 import sys
 
-if __name__ == "__main__":
-    # First, before JAX starts: glibc's huge-page tunable for XLA:CPU's per-call buffers (host_memory.py).
-    from mvmoe_jax import host_memory
-    host_memory.restart_with_huge_pages()
-
 from absl import app, flags
 from ml_collections import config_flags
 
-from mvmoe_jax import cli, devices, precision
+from mvmoe_jax import cli, devices, execution, host_memory, precision
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
@@ -49,24 +44,26 @@ flags.DEFINE_enum("matmul_precision", None, precision.MATMUL_PRECISIONS,
                   "float32 matmuls on GPUs (default: config.eval_matmul_precision, else float32, the original "
                   "implementation's numbers); tensorfloat32 measured 1.38x faster on an H200, 0.04% off.")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Matmul input dtype (default: the model's).")
-flags.DEFINE_enum("moe_dispatch", None, ["auto", "dense", "grouped", "sparse", "einsum"],
-                  "MoE execution strategy (default: the model's, auto: on a CPU the encoder's experts run "
-                  "grouped, only the chosen top-k; dense elsewhere).")
-flags.DEFINE_bool("fused_readout", None, "Fold the node embeddings into the decoder's combining projection "
-                  "(default: the model's, on).")
-flags.DEFINE_bool("fused_query", None, "Precompute every possible decoder query's attention scores once per "
-                  "batch (default: the model's, on).")
+flags.DEFINE_enum("execution", "auto", ("auto",) + execution.PRESETS,
+                  "Execution plan preset (mvmoe_jax/execution.py): auto (cpu or gpu by the platform), reference, "
+                  "cpu, gpu. Results do not depend on it.")
+flags.DEFINE_string("execution_overrides", "", "Plan fields to override, as FIELD=VALUE,FIELD=VALUE (e.g. "
+                    "moe_dispatch=dense,cpu_devices=1; cpu_devices 0: one JAX device per core).")
 flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~100 trajectories "
                      "on CPU, the whole batch on accelerators).")
-flags.DEFINE_integer("cpu_devices", 0, "On CPU, decode on this many JAX devices at once (0: one per core; "
-                     "1: JAX's single device). Results do not depend on it.")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
     try:
-        devices.use_cpu_devices(FLAGS.cpu_devices, what="--cpu_devices")    # any count: chunks are dealt out
+        # Before JAX starts: glibc's huge pages (host_memory.py; the process is started again with them), then
+        # the CPU's cores as devices (any count: chunks are dealt out).
+        cpu_devices, huge_pages = execution.process_settings(
+            FLAGS.execution, execution.parse_overrides(FLAGS.execution_overrides))
+        if huge_pages:
+            host_memory.restart_with_huge_pages()
+        devices.use_cpu_devices(cpu_devices, what="execution cpu_devices")
         results = cli.run_evaluation(_CONFIG.value, FLAGS)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -16,11 +16,6 @@ from __future__ import annotations
 
 import sys
 
-if __name__ == "__main__":
-    # First, before JAX starts: glibc's huge-page tunable for XLA:CPU's per-step buffers (host_memory.py).
-    from mvmoe_jax import host_memory
-    host_memory.restart_with_huge_pages()
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -45,7 +40,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]} (options are --config=FILE and --config.FIELD=VALUE)",
               file=sys.stderr)
         sys.exit(2)
-    from mvmoe_jax import training, training_loop
+    from mvmoe_jax import execution, host_memory, training, training_loop
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)     # orbax logs every save at INFO
@@ -56,6 +51,10 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
+        # Before JAX starts: glibc's huge pages for XLA:CPU's per-step buffers (host_memory.py; the process is
+        # started again with them), then the CPU's cores as devices.
+        if execution.process_settings(*training_loop.execution_settings(config))[1]:
+            host_memory.restart_with_huge_pages()
         training_loop.use_cpu_devices(config)
         training_loop.train_and_evaluate(config)
     except (ValueError, FileNotFoundError) as e:

@@ -84,10 +84,10 @@ step infer_mvmoe_light 100 $T --model=mvmoe_light --size=$N --batch=$B --mode=in
 step infer_mvmoe_bf16 100 $T --model=mvmoe --size=$N --batch=$B --mode=infer --compute_dtype=bfloat16 \
   --output=$RES/infer_mvmoe_bf16.json
 for d in grouped sparse einsum; do
-  step infer_mvmoe_$d 100 $T --model=mvmoe --size=$N --batch=$B --mode=infer --dispatch=$d \
+  step infer_mvmoe_$d 100 $T --model=mvmoe --size=$N --batch=$B --mode=infer --execution_overrides=moe_dispatch=$d \
     --output=$RES/infer_mvmoe_$d.json
 done
-step train_mvmoe_replay 150 $T --model=mvmoe --size=$N --batch="$FIRST_BATCH" --mode=train --backward=replay \
+step train_mvmoe_replay 150 $T --model=mvmoe --size=$N --batch="$FIRST_BATCH" --mode=train --execution_overrides=backward=replay \
   --output=$RES/train_mvmoe_replay.json
 step infer_n50_b64 100 $T --model=mvmoe --size=50 --batch=64 --mode=infer --output=$RES/infer_n50_b64.json
 step latency_n100 100 $T --model=mvmoe --size=100 --batch=1 --mode=infer --output=$RES/latency_n100.json

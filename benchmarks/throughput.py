@@ -13,7 +13,7 @@ the same process, and add their figures and our speed-up.
 
 Inference: greedy decoding from all n starts with x8 augmentation (``--aug``), with trained weights where
 available (``--weights``; the decoding steps, hence the time, depend on them). Training: full optimiser
-steps (sampling rollout, backward pass, Adam; ``--backward``). Instances per second exclude compilation,
+steps (sampling rollout, backward pass, Adam; the plan's ``backward``). Instances per second exclude compilation,
 which is reported separately. FLOPs are the model's, from XLA's cost analysis of its plain formulation
 (``plain_formulation``: the query projection and the heads' combination computed at every step, each token
 through its k chosen experts only), with the encoder and one decoding step costed at the sizes the program
@@ -42,14 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mvmoe_jax import checkpoints, devices, env, host_memory, instances, precision, rollout, training
+from mvmoe_jax import checkpoints, devices, env, execution, host_memory, instances, precision, rollout, training
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine  # noqa: E402  (benchmarks/machine.py)
 import peer_cli  # noqa: E402  (benchmarks/peer_cli.py)
 import train_throughput  # noqa: E402  (benchmarks/train_throughput.py)
-from mvmoe_jax.nn import moe as moe_lib
-from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.execution import ExecutionPlan
+from mvmoe_jax.nn.policy import Policy, PolicyConfig, fuses_readout
 
 MODELS = {"pomo_mtl": "POMO-MTL", "mvmoe": "MVMoE/4E", "mvmoe_light": "MVMoE/4E-L"}
 
@@ -119,27 +119,27 @@ def load_weights(model: str, size: int, weights: str, **cfg_kw) -> tuple[PolicyC
     return dataclasses.replace(cfg, **cfg_kw), params, os.path.basename(path.rstrip("/"))
 
 
-def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk: int, chunk_steps: np.ndarray,
-                               num_devices: int) -> float:
+def program_flops_per_instance(cfg: PolicyConfig, plan: ExecutionPlan, params, inst, pomo: int, chunk: int,
+                               chunk_steps: np.ndarray, num_devices: int) -> float:
     """FLOPs per instance of the (augmented) batch ``inst`` that a chunked greedy evaluation of ``cfg``
     executes, from XLA's cost analysis of its parts at the sizes the program runs them: the encoder per call
     of ``rollout.encoder_group_size`` chunks, the decoder's precomputation per chunk, one decoding step per
     step each chunk ran. XLA counts a loop body once, so the chunks and steps are multiplied in here and the
-    grouped MoE blocks are traced as one product (``moe.blocks_as_one_product``). ``chunk_steps``: the steps
-    of every chunk, padding chunks included (``GreedyResult.chunk_steps``)."""
-    policy = Policy(cfg)
+    grouped MoE blocks are traced as one product (the plan's ``grouped_blocks_as_one_product``). ``chunk_steps``:
+    the steps of every chunk, padding chunks included (``GreedyResult.chunk_steps``)."""
+    policy = Policy(cfg, plan)
+    counted = Policy(cfg, plan.replace(grouped_blocks_as_one_product=True))
     m, num_nodes = inst.locs.shape[0], inst.locs.shape[-2]
     num_chunks = len(chunk_steps)
     group = rollout.encoder_group_size(max(1, num_chunks // num_devices), chunk, num_nodes,
-                                       rollout.encoder_token_budget(cfg))
+                                       rollout.encoder_token_budget(cfg, plan))
     rng = jax.random.key(0)
 
     def take(count):
         return jax.tree.map(lambda x: x[np.arange(count) % m], inst)
 
-    with moe_lib.blocks_as_one_product():
-        encoder = jax.jit(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0]).lower(
-            params, take(group * chunk)).compile()
+    encoder = jax.jit(lambda p, i: rollout.encode_nodes(counted, p, i, rng)[0]).lower(
+        params, take(group * chunk)).compile()
     sub = take(chunk)
     # Shapes only: run eagerly, these would compile every operation on its own (seconds per call).
     emb = jax.eval_shape(lambda p, i: rollout.encode_nodes(policy, p, i, rng)[0], params, sub)
@@ -160,12 +160,11 @@ def program_flops_per_instance(cfg: PolicyConfig, params, inst, pomo: int, chunk
 
 
 def plain_formulation(cfg: PolicyConfig) -> PolicyConfig:
-    """The model as written, the basis of its FLOPs: a decoding step projects its query and combines the
-    heads itself (no precomputed query scores or readout), and each token goes through its k chosen experts
-    only (an MoE layer of k experts, every one computed: the FLOPs of top-k routing, less a gate of E - k
-    columns)."""
-    plain = dataclasses.replace(cfg, fused_readout=False, fused_query=False, moe_dispatch="dense")
-    return dataclasses.replace(plain, num_experts=cfg.topk) if cfg.uses_moe else plain
+    """The model as written, the basis of its FLOPs, run on the reference plan: a decoding step projects its
+    query and combines the heads itself (no precomputed query scores or readout), and each token goes through
+    its k chosen experts only (an MoE layer of k experts, every one computed: the FLOPs of top-k routing, less
+    a gate of E - k columns)."""
+    return dataclasses.replace(cfg, num_experts=cfg.topk) if cfg.uses_moe else cfg
 
 
 def model_flops_per_instance(cfg: PolicyConfig, size: int, inst, pomo: int, chunk: int, chunk_steps: np.ndarray,
@@ -175,11 +174,13 @@ def model_flops_per_instance(cfg: PolicyConfig, size: int, inst, pomo: int, chun
     result with fewer: the precomputed query scores and readout, and the MoE layers' execution."""
     plain = plain_formulation(cfg)
     params = jax.eval_shape(lambda key: training.init_params(plain, key, size), jax.random.key(0))
-    return program_flops_per_instance(plain, params, inst, pomo, chunk, chunk_steps, num_devices)
+    return program_flops_per_instance(plain, execution.reference(), params, inst, pomo, chunk, chunk_steps,
+                                      num_devices)
 
 
 class InferWorkload(NamedTuple):
     cfg: PolicyConfig
+    plan: ExecutionPlan
     params: dict
     weights_desc: str
     inst: instances.Instance
@@ -187,15 +188,22 @@ class InferWorkload(NamedTuple):
     compile_seconds: float
 
 
+def workload_plan(execution_preset: str = "auto", execution_overrides: str = "") -> ExecutionPlan:
+    """The execution plan of a workload: a preset (auto: the platform's) and ``FIELD=VALUE,...`` overrides."""
+    return execution.plan_for(execution_preset, jax.default_backend(), **execution.parse_overrides(execution_overrides))
+
+
 def compile_infer(model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
-                  chunk_size: int | None = None, **cfg_kw) -> InferWorkload:
+                  chunk_size: int | None = None, execution_preset: str = "auto", execution_overrides: str = "",
+                  **cfg_kw) -> InferWorkload:
     """The inference workload's weights, instances and compiled greedy evaluation (timed)."""
     cfg, params, weights_desc = load_weights(model, size, weights, **cfg_kw)
+    plan = workload_plan(execution_preset, execution_overrides)
     inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
     t0 = time.perf_counter()
     compiled = rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=size,
-                                               augment=aug == 8, chunk_size=chunk_size)
-    return InferWorkload(cfg, params, weights_desc, inst, compiled, time.perf_counter() - t0)
+                                               augment=aug == 8, chunk_size=chunk_size, plan=plan)
+    return InferWorkload(cfg, plan, params, weights_desc, inst, compiled, time.perf_counter() - t0)
 
 
 def measure_infer(model: str, size: int, batch: int, aug: int = 8, repeats: int = 3, weights: str = "auto",
@@ -214,8 +222,8 @@ _FLOPS_PER_INSTANCE: dict[tuple, tuple[float, float]] = {}
 
 def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, weights: str,
                    chunk_size: int | None, **cfg_kw) -> dict:
-    cfg, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
-                                                                         chunk_size, **cfg_kw)
+    cfg, plan, params, weights_desc, inst, compiled, compile_s = compile_infer(model, size, batch, aug, weights,
+                                                                               chunk_size, **cfg_kw)
     # Placed on the devices once, as evaluation.evaluate_batches does (the PyTorch peers' weights, too,
     # stay where they were loaded); the instances are copied at every call.
     params = rollout.replicated(params)
@@ -224,22 +232,22 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
                   for r in range(repeats))
     flat = rollout.augmented_batch(inst) if aug == 8 else inst
     m = flat.locs.shape[0]
-    chunk = rollout.effective_chunk_size(chunk_size, size, flat, jax.local_device_count())
+    chunk = rollout.effective_chunk_size(chunk_size, size, flat, plan, jax.local_device_count())
     chunk_steps = np.asarray(res.chunk_steps)
     num_devices = compiled.num_devices
     # Per instance of the batch (each stands for m // batch augmented copies). Counted once per workload:
     # later rounds decode the same instances in the same steps.
-    key = (cfg, size, batch, aug, chunk, tuple(chunk_steps.tolist()), num_devices)
+    key = (cfg, plan, size, batch, aug, chunk, tuple(chunk_steps.tolist()), num_devices)
     if key not in _FLOPS_PER_INSTANCE:
         _FLOPS_PER_INSTANCE[key] = (
             model_flops_per_instance(cfg, size, flat, size, chunk, chunk_steps, num_devices) * (m // batch),
-            program_flops_per_instance(cfg, params, flat, size, chunk, chunk_steps, num_devices) * (m // batch))
+            program_flops_per_instance(cfg, plan, params, flat, size, chunk, chunk_steps, num_devices) * (m // batch))
     flops, executed = _FLOPS_PER_INSTANCE[key]
     return {"mode": "infer", "model": model, "size": size, "batch": batch, "aug": aug, "seconds": seconds,
             "instances_per_second": batch / seconds, "compile_seconds": compile_s, "weights": weights_desc,
             "devices": jax.local_device_count(),
-            "moe_dispatch": cfg.moe_dispatch if cfg.uses_moe else None, "fused_readout": cfg.uses_fused_readout,
-            "fused_query": cfg.fused_query,
+            "moe_dispatch": plan.moe_dispatch if cfg.uses_moe else None, "fused_readout": fuses_readout(cfg, plan),
+            "fused_query": plan.fused_query, "execution": plan.to_dict(),
             "compute_dtype": cfg.compute_dtype, "chunk_size": chunk, "decode_steps": int(res.num_steps),
             "mean_chunk_steps": float(chunk_steps.mean()), "flops_per_instance": flops,
             "achieved_gflops": flops * batch / seconds / 1e9, "executed_flops_per_instance": executed,
@@ -248,17 +256,19 @@ def _measure_infer(model: str, size: int, batch: int, aug: int, repeats: int, we
 
 
 def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
-                   chunk_size: int | None = None, backward: str = "auto", matmul_precision: str | None = None,
-                   **cfg_kw) -> int:
+                   chunk_size: int | None = None, execution_preset: str = "auto", execution_overrides: str = "",
+                   matmul_precision: str | None = None, **cfg_kw) -> int:
     """Per-device memory of a workload's compiled program, from XLA's memory analysis (compiled, not run)."""
     if mode == "infer":
         with precision.matmul_precision(matmul_precision or precision.EVAL_DEFAULT):
-            return compile_infer(model, size, batch, aug, weights, chunk_size, **cfg_kw).compiled.memory_bytes()
+            return compile_infer(model, size, batch, aug, weights, chunk_size, execution_preset, execution_overrides,
+                                 **cfg_kw).compiled.memory_bytes()
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
     chunk, remat = default_replay()
-    return train_throughput.program_memory(model, size, size, batch, chunk, remat, backward=backward,
-                                           problems="CVRP", matmul_precision=matmul_precision)
+    return train_throughput.program_memory(model, size, size, batch, chunk, remat, execution_preset=execution_preset,
+                                           execution_overrides=execution_overrides, problems="CVRP",
+                                           matmul_precision=matmul_precision)
 
 
 def default_memory_budget() -> int:
@@ -291,13 +301,14 @@ def largest_batch(mode: str, model: str, size: int, start: int, budget: int, max
 
 
 def default_replay(backend: str | None = None) -> tuple[int, bool]:
-    """(replay_chunk, replay_remat) when training takes its gradient by replay (``--backward=replay``): on
+    """(replay_chunk, replay_remat) when training takes its gradient by replay (plan field backward=replay): on
     CPU two steps at a time, recomputed in the backward pass (storing every step's attention weights costs
     more memory traffic than recomputing them); on accelerators the configs' 8 steps at a time, stored."""
     return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
 
 
-def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: str = "auto",
+def measure_train(model: str, size: int, batch: int, steps: int = 3, execution_preset: str = "auto",
+                  execution_overrides: str = "",
                   replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
                   weights: str = "auto", matmul_precision: str | None = None, warmup: int = 1, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
@@ -309,7 +320,8 @@ def measure_train(model: str, size: int, batch: int, steps: int = 3, backward: s
     chunk, remat = default_replay()
     chunk = chunk if replay_chunk is None else replay_chunk
     remat = remat if replay_remat is None else replay_remat
-    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat, backward=backward,
+    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat,
+                                   execution_preset=execution_preset, execution_overrides=execution_overrides,
                                    problems=problems, weights=weights_path(model, weights),
                                    matmul_precision=matmul_precision, warmup=warmup)
     row.update(mode="train", model=model, seconds=row["step_seconds"])
@@ -439,10 +451,12 @@ def main():
                         "random | a checkpoint path; training starts from them too, ours and the authors' code "
                         "alike (RL4CO cannot load them and starts from random initialisation)")
     p.add_argument("--chunk_size", type=int, default=None,
-                   help="instances decoded at once in inference (default: rollout.default_chunk_size)")
-    p.add_argument("--dispatch", default=None, help="MoE execution: auto | dense | grouped | sparse | einsum")
-    p.add_argument("--fused_readout", default=None, choices=["true", "false"])
-    p.add_argument("--fused_query", default=None, choices=["true", "false"])
+                   help="instances decoded at once in inference (default: the plan's, rollout.chunk_instances)")
+    p.add_argument("--execution", default="auto", choices=("auto",) + execution.PRESETS,
+                   help="execution plan preset (mvmoe_jax/execution.py; auto: the platform's)")
+    p.add_argument("--execution_overrides", default="",
+                   help="plan fields, FIELD=VALUE,... (e.g. moe_dispatch=dense,fused_query=false,backward=replay; "
+                        "cpu_devices=1: JAX's single device)")
     p.add_argument("--compute_dtype", default=None, help="float32 | bfloat16")
     p.add_argument("--matmul_precision", default=None, choices=precision.MATMUL_PRECISIONS,
                    help="float32 matmuls on GPUs (mvmoe_jax/precision.py; default: the library's, full float32 "
@@ -451,8 +465,6 @@ def main():
     p.add_argument("--train_warmup", type=int, default=1,
                    help="training: untimed steps before the timed ones, the same for every framework (ours: the "
                         "compiling step included), for steady-state figures")
-    p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
-                   help="training: how the gradient is taken (config.backward; auto = stepwise)")
     p.add_argument("--torch", action="store_true",
                    help="also run RL4CO (pip install -e '.[torch]') on the same workloads, with the ratios")
     p.add_argument("--authors", default=os.environ.get("MVMOE_AUTHORS_CODE"), metavar="PATH",
@@ -461,28 +473,20 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="measure each workload this many times, the frameworks in turn, and keep each one's "
                         "fastest round (for a shared machine whose speed drifts)")
-    p.add_argument("--cpu_devices", type=int, default=None,
-                   help="on CPU, run as this many JAX devices (default: one per core; 1: JAX's single device); "
-                        "see mvmoe_jax/devices.py")
     p.add_argument("--output", default="benchmarks/results/throughput.json")
     args = p.parse_args()
     # Measure what train.py and evaluate.py run: glibc's huge-page tunable set (mvmoe_jax/host_memory.py).
     # The PyTorch peers run in this process, under the same setting.
     host_memory.restart_with_huge_pages()
-    devices.use_cpu_cores_as_devices(args.cpu_devices)
+    cpu_devices, _ = execution.process_settings(args.execution, execution.parse_overrides(args.execution_overrides))
+    devices.use_cpu_cores_as_devices(cpu_devices or None)
     if args.authors or args.torch:
         # On a GPU, JAX would otherwise reserve most of its memory at start, leaving the peers little.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-    kw = {}
-    if args.dispatch:
-        kw["moe_dispatch"] = args.dispatch
+    kw = {"execution_preset": args.execution, "execution_overrides": args.execution_overrides}
     if args.compute_dtype:
         kw["compute_dtype"] = args.compute_dtype
-    if args.fused_readout:
-        kw["fused_readout"] = args.fused_readout == "true"
-    if args.fused_query:
-        kw["fused_query"] = args.fused_query == "true"
     if args.torch:
         import torch_peer
         if not torch_peer.rl4co_available():
@@ -517,7 +521,7 @@ def main():
         for model in models:
             for size in sizes:
                 extra = dict(aug=args.aug, weights=args.weights, chunk_size=args.chunk_size, **kw) \
-                    if mode == "infer" else dict(kw, backward=args.backward, weights=args.weights)
+                    if mode == "infer" else dict(kw, weights=args.weights)
                 extra["matmul_precision"] = args.matmul_precision
                 listed = [b for b in batches if b != "max"]
                 search = None

@@ -21,14 +21,16 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # configs/
-from mvmoe_jax import checkpoints, devices, host_memory, precision, training, training_loop  # noqa: E402
+from mvmoe_jax import checkpoints, devices, execution, host_memory, precision, training, training_loop  # noqa: E402
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
 def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
-               backward: str = "auto", problems: str | None = None, matmul_precision: str | None = None):
-    """(config, plan, step functions) of a training run of configs/<config_name>.py at this size and
-    batch, data parallel over as many devices as split the batch evenly (all of them, usually).
+               execution_preset: str = "auto", execution_overrides: str = "", problems: str | None = None,
+               matmul_precision: str | None = None):
+    """(config, run settings, step functions) of a training run of configs/<config_name>.py at this size and
+    batch, data parallel over as many devices as split the batch evenly (all of them, usually), under the
+    execution plan ``execution_preset`` with ``execution_overrides`` (``FIELD=VALUE,...``).
     ``matmul_precision``: the config's ``matmul_precision`` (training's; None keeps the config's)."""
     config = importlib.import_module(f"configs.{config_name}").get_config()
     if problems:
@@ -37,28 +39,31 @@ def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, r
         config.matmul_precision = matmul_precision
     config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
     config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
-    config.backward = backward
-    plan = training_loop.check_config(config)
+    config.execution.preset = execution_preset
+    for field, value in execution.parse_overrides(execution_overrides).items():
+        config.execution[field] = value
+    run = training_loop.check_config(config)
     num_devices = devices.largest_divisor_at_most(len(jax.devices()), batch)
-    fns = training_loop.step_functions(config, plan, devices.make_mesh(jax.devices()[:num_devices]))
-    return config, plan, fns
+    fns = training_loop.step_functions(config, run, devices.make_mesh(jax.devices()[:num_devices]))
+    return config, run, fns
 
 
 def program_memory(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
-                   backward: str = "auto", problems: str | None = None,
+                   execution_preset: str = "auto", execution_overrides: str = "", problems: str | None = None,
                    matmul_precision: str | None = None) -> int:
     """Per-device memory of a training step at this batch, from the compiled programs (compiled, not run;
     see ``StepFunctions.memory_bytes``)."""
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems,
-                                   matmul_precision)
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, execution_preset,
+                                   execution_overrides, problems, matmul_precision)
     with precision.matmul_precision(config.matmul_precision):
         state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
         return fns.memory_bytes(state, fns.batch(jax.random.key(0), batch), jax.random.key(0))
 
 
 def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
-            max_compile_steps: int = 6, backward: str = "auto", problems: str | None = None,
-            weights: str | None = None, matmul_precision: str | None = None, warmup: int = 1) -> dict:
+            max_compile_steps: int = 6, execution_preset: str = "auto", execution_overrides: str = "",
+            problems: str | None = None, weights: str | None = None, matmul_precision: str | None = None,
+            warmup: int = 1) -> dict:
     """``warmup``: untimed steps before the ``steps`` timed ones, the first (compiling) step included; steps
     that compile (a new replay length) are never timed. ``problems``: the training variants (comma list;
     default: the config's). ``weights``: a checkpoint (original ``.pt`` or orbax) to start from, as
@@ -68,8 +73,8 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     config's, as train.py runs it)."""
     if warmup < 1:
         raise ValueError(f"warmup counts the first (compiling) step: at least 1, got {warmup}")
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, backward, problems,
-                                   matmul_precision)
+    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, execution_preset,
+                                   execution_overrides, problems, matmul_precision)
     with precision.matmul_precision(config.matmul_precision):
         row = _timed_steps(config_name, config, plan, fns, size, pomo, batch, steps, chunk, remat,
                            max_compile_steps, weights, warmup)
@@ -134,11 +139,13 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
     memory = fns.memory_bytes(state, inst, k_roll, max(seen) if fns.replays else None)
     return {"config": config_name, "model": plan.policy.model, "params": int(n_params), "size": size,
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
-            "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems, "backward": "replay" if fns.replays else "stepwise",
+            "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems,
+            "backward": fns.plan.backward, "execution": fns.plan.to_dict(),
             "replay_chunk": chunk, "replay_remat": remat, "warmup_steps": warmup, "timed_steps": len(timed),
             "steps_run": step,
-            "decoder_record": training.records_decoder(fns.settings, plan.policy, inst, fns.max_steps, fns.mesh),
-            "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s, "update_seconds": update_s,
+            "decoder_record": training.records_decoder(fns.policy, fns.settings, inst, fns.max_steps, fns.mesh),
+            "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s,
+            "update_seconds": update_s,
             "step_seconds": step_s, "instances_per_second": batch / step_s,
             "compile_seconds": compile_s, "compiled_lengths": sorted(seen), "program_memory_bytes": memory}
 
@@ -160,23 +167,25 @@ def main():
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed steps before the timed ones, the first (compiling) step included")
     p.add_argument("--problems", default="", help="training variants, comma list (default: the config's)")
-    p.add_argument("--backward", default="auto", choices=training.BACKWARDS,
-                   help="how gradients are taken (config.backward)")
+    p.add_argument("--execution", default="auto", choices=("auto",) + execution.PRESETS,
+                   help="execution plan preset (mvmoe_jax/execution.py)")
+    p.add_argument("--execution_overrides", default="",
+                   help="plan fields, FIELD=VALUE,... (e.g. backward=replay; cpu_devices=1: JAX's single device)")
     p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
     p.add_argument("--remat", action="store_true", help="replay_remat")
     p.add_argument("--weights", default="", help="checkpoint to start from (.pt or orbax); default random")
-    p.add_argument("--cpu_devices", type=int, default=None,
-                   help="on CPU, run as this many JAX devices (default: one per core; 1: JAX's single device)")
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
     args = p.parse_args()
-    devices.use_cpu_cores_as_devices(args.cpu_devices)
+    cpu_devices, _ = execution.process_settings(args.execution, execution.parse_overrides(args.execution_overrides))
+    devices.use_cpu_devices(cpu_devices, args.batch, what="execution cpu_devices")
     device = (f"{jax.devices()[0].device_kind} x{len(jax.devices())} ({jax.default_backend()}, {os.cpu_count()} "
               f"cpus, {machine.cpu_model()})")
     load_before = os.getloadavg()
     rows = []
     for name in args.configs.split(","):
         row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
-                      backward=args.backward, problems=args.problems or None, weights=args.weights or None,
+                      execution_preset=args.execution, execution_overrides=args.execution_overrides,
+                      problems=args.problems or None, weights=args.weights or None,
                       warmup=args.warmup)
         rows.append(row)
         print(f"{name}: {row['instances_per_second']:.1f} instances/s ({split(row)} s/step; compile "

@@ -4,8 +4,12 @@ Each model config (mvmoe.py, mvmoe_light.py, pomo_mtl.py, pomo.py, demo.py) call
 sets ``config.model``; every field is overridable on the command line as ``--config.field=value``.
 """
 
-import ml_collections
+import dataclasses
 
+import ml_collections
+from ml_collections import config_dict
+
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.problems import TRAIN_VARIANTS
 
@@ -16,6 +20,17 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
     fields["expert_loc"] = ",".join(fields["expert_loc"])
     fields["capacity_factor"] = 0.0 if fields["capacity_factor"] is None else fields["capacity_factor"]
     return ml_collections.ConfigDict(fields)
+
+
+def execution_config(preset: str = "auto") -> ml_collections.ConfigDict:
+    """The execution plan's preset and one unset (None) override per ExecutionPlan field, typed so that
+    ``--config.execution.FIELD=VALUE`` parses."""
+    c = ml_collections.ConfigDict()
+    c.preset = preset
+    defaults = ExecutionPlan()
+    for field in dataclasses.fields(ExecutionPlan):
+        c[field.name] = config_dict.placeholder(type(getattr(defaults, field.name)))
+    return c
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -58,27 +73,18 @@ def base_config() -> ml_collections.ConfigDict:
     # Fine-tuning: start from this policy (orbax checkpoint dir, training workdir or original .pt) with a
     # fresh optimiser (the paper's few-shot setting: one target variant, train_episodes=10000).
     c.finetune_from = ""
-    # Execution: how the gradient of the sampled trajectories is taken (mvmoe_jax/training.py).
-    # "stepwise": one decoding step at a time under jax.vjp, over exactly the steps the batch needed;
-    # "replay": a teacher-forced replay of the decoder, differentiated as a whole; "auto": stepwise, faster
-    # and smaller on CPUs and GPUs alike (docs/performance.md, "Stepwise backward").
-    c.backward = "auto"
-    # The replay runs replay_chunk decoding steps at a time (vmapped; small chunks suit CPUs, larger ones
-    # feed accelerators bigger matmuls), over a length rounded up to a multiple of replay_bucket (0: auto,
-    # ceil(n/4); each length compiles once); replay_remat recomputes each chunk in the backward pass
-    # (less memory, more compute).
+    # Execution: how the computations run, never what they compute (mvmoe_jax/execution.py). preset: auto (cpu
+    # or gpu, by the platform), reference, cpu or gpu; any field of ExecutionPlan overrides the preset, e.g.
+    # --config.execution.backward=replay, --config.execution.cpu_devices=1 (cores as devices: 0 one per core,
+    # reduced to the largest count that splits every batch; accelerators are not affected).
+    c.execution = execution_config()
+    # The replay (execution.backward=replay) runs replay_chunk decoding steps at a time (vmapped; small
+    # chunks suit CPUs, larger ones feed accelerators bigger matmuls), over a length rounded up to a multiple
+    # of replay_bucket (0: auto, ceil(n/4); each length compiles once); replay_remat recomputes each chunk in
+    # the backward pass (less memory, more compute).
     c.replay_chunk = 8
     c.replay_bucket = 0
     c.replay_remat = False
-    # The stepwise backward can take each decoding step's attention and readout products from a record the
-    # sampling pass keeps instead of computing them again: "auto" (MVMoE/4E on a CPU when the record fits
-    # in 1 GiB per device; docs/performance.md, "Reuse of the sampling pass"), "always", "never"
-    # (training.reuses_sampling_pass). The same gradient up to float rounding.
-    c.reuse_sampling = "auto"
-    # CPU cores as separate JAX devices, each training on its share of the batch (mvmoe_jax/devices.py;
-    # docs/performance.md, "Cores as devices"). 0: one per core, reduced to the largest count that splits
-    # every batch evenly; N: exactly N (the batch sizes must divide by it). Accelerators are not affected.
-    c.cpu_devices = 0
     # float32 matmuls on GPUs (mvmoe_jax/precision.py): training allows TF32 (docs/performance.md, "Matmul
     # precision on a GPU"); evaluation runs in full float32 (the original implementation's numbers).
     # float32 | tensorfloat32 | bfloat16 | default (JAX's). No effect on a CPU.

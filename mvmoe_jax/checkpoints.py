@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from mvmoe_jax import shipped
+from mvmoe_jax import execution, shipped
 from mvmoe_jax.io.torch_checkpoint import load_torch_checkpoint
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
@@ -33,10 +33,11 @@ class CheckpointMismatchError(ValueError):
 # ----------------------------------------------------------------------------------------------------
 
 def abstract_params(cfg: PolicyConfig, num_customers: int = 20) -> Any:
-    """ShapeDtypeStructs of the parameters of ``Policy(cfg)`` (no computation)."""
+    """ShapeDtypeStructs of the parameters of a ``Policy`` of ``cfg`` (no computation; the parameters do not
+    depend on the execution plan)."""
     from mvmoe_jax.instances import generate
 
-    policy = Policy(cfg)
+    policy = Policy(cfg, execution.reference())
     def init():
         inst = generate(jax.random.key(0), 1, num_customers, "CVRP")
         return policy.init({"params": jax.random.key(0), "gating": jax.random.key(1)}, inst)

@@ -2,7 +2,7 @@
 
 ``rollout.rollout(..., decode_type='sampling', train=True, record=True)`` decodes a device's whole share of
 the batch at every step (1,600 trajectories for 32 instances of n = 50). On a CPU a decoding step over about
-100 trajectories keeps its scores, masks and softmax in the core's cache (see ``rollout.default_chunk_size``),
+100 trajectories keeps its scores, masks and softmax in the core's cache (see ``rollout.chunk_instances``),
 and a device that decodes its own instances needs no collective at any step. ``chunked_sampling`` decodes
 each device's instances in chunks of that size, one after another, and returns what the whole-batch rollout
 returns: the same sampled actions, log-likelihoods, costs, step count and record of the decoder's inputs
@@ -36,21 +36,23 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mvmoe_jax.devices import DATA_AXIS, largest_divisor_at_most
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import DecoderCache, DecoderRecord, Policy, PolicyConfig
-from mvmoe_jax.rollout import (RolloutOutput, choice_uniforms, cpu_chunk_instances, decode_one_step, decoder_storage,
+from mvmoe_jax.rollout import (RolloutOutput, choice_uniforms, chunk_instances, decode_one_step, decoder_storage,
                                decoding_keys, initial_states, start_nodes, step_keys)
 
 
-def sampling_chunk_size(cfg: PolicyConfig, pomo_size: int, per_device_batch: int, platform: str) -> int | None:
-    """Instances per chunk of ``chunked_sampling`` for a device's share of ``per_device_batch`` instances: on
-    a CPU the largest divisor of that share within ``rollout.cpu_chunk_instances`` (about 100 trajectories,
-    as inference's chunks); None (decode the whole share at once) on
-    accelerators, whose throughput grows with the batch, for MVMoE-L (see the module docstring) and where one
-    chunk would be the whole share. See docs/performance.md, "Chunked sampling"."""
-    if platform != "cpu" or cfg.hierarchical or per_device_batch < 1:
+def sampling_chunk_size(cfg: PolicyConfig, plan: ExecutionPlan, pomo_size: int, per_device_batch: int) -> int | None:
+    """Instances per chunk of ``chunked_sampling`` for a device's share of ``per_device_batch`` instances: the
+    largest divisor of that share within ``rollout.chunk_instances`` of the plan's
+    ``sampling_chunk_trajectories``; None (decode the whole share at once) where the plan has no chunks, for
+    MVMoE-L (see the module docstring) and where one chunk would be the whole share. See docs/performance.md,
+    "Chunked sampling"."""
+    most = chunk_instances(pomo_size, plan.sampling_chunk_trajectories)
+    if most is None or cfg.hierarchical or per_device_batch < 1:
         return None
-    chunk = largest_divisor_at_most(cpu_chunk_instances(pomo_size), per_device_batch)
+    chunk = largest_divisor_at_most(most, per_device_batch)
     return None if chunk == per_device_batch else chunk
 
 

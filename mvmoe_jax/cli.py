@@ -10,7 +10,10 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from mvmoe_jax import checker, checkpoints, evaluation, io, precision, problems
+import jax
+
+from mvmoe_jax import checker, checkpoints, evaluation, execution, io, precision, problems
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.nn.policy import PolicyConfig
 
 
@@ -28,19 +31,18 @@ def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
     return PolicyConfig.from_dict(d)
 
 
-def with_execution_flags(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
-    """The policy with the execution choices given on the command line (matmul dtype, MoE execution,
-    readout and query fusions); these change speed, not the model (bfloat16 changes rounding)."""
-    changes = {}
+def with_compute_dtype(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
+    """The policy with the matmul input dtype given on the command line (bfloat16 changes rounding)."""
     if getattr(flags, "compute_dtype", None):
-        changes["compute_dtype"] = flags.compute_dtype
-    if getattr(flags, "moe_dispatch", None):
-        changes["moe_dispatch"] = flags.moe_dispatch
-    if getattr(flags, "fused_readout", None) is not None:
-        changes["fused_readout"] = bool(flags.fused_readout)
-    if getattr(flags, "fused_query", None) is not None:
-        changes["fused_query"] = bool(flags.fused_query)
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+        return dataclasses.replace(cfg, compute_dtype=flags.compute_dtype)
+    return cfg
+
+
+def execution_plan_of(flags: Any) -> ExecutionPlan:
+    """The execution plan that ``--execution`` (a preset) and ``--execution_overrides`` name, on JAX's
+    default backend."""
+    return execution.plan_for(getattr(flags, "execution", "auto"), jax.default_backend(),
+                              **execution.parse_overrides(getattr(flags, "execution_overrides", "") or ""))
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -67,13 +69,14 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
 def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:
     wanted = None if config is None else policy_config(config.model)
     cfg, params = checkpoints.load_policy(flags.checkpoint, wanted)
-    cfg = with_execution_flags(cfg, flags)
+    cfg = with_compute_dtype(cfg, flags)
+    plan = execution_plan_of(flags)
     if flags.aug not in (1, 8):
         raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
     batch_size = flags.batch_size or (config.eval_batch_size if config is not None else DEFAULT_EVAL_BATCH)
     print(f"model {cfg.model} from {flags.checkpoint}")
     if flags.vrplib_dir:
-        return _evaluate_vrplib(cfg, params, flags, batch_size)
+        return _evaluate_vrplib(cfg, params, flags, batch_size, plan)
     if not flags.data_dir:
         raise ValueError("give --data_dir (paper datasets) or --vrplib_dir (CVRPLIB / Solomon files)")
     variants = problems.parse_variants(flags.problems)
@@ -91,7 +94,8 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
         inst = io.load_paper_instances(path, var, num_instances=flags.num_instances)
         res = evaluation.evaluate_dataset(
             cfg, params, inst, pomo_size=flags.pomo_size, augment=flags.aug == 8, batch_size=batch_size,
-            seed=flags.seed, progress=flags.progress, desc=var.name, chunk_size=getattr(flags, "chunk_size", None))
+            seed=flags.seed, progress=flags.progress, desc=var.name, chunk_size=getattr(flags, "chunk_size", None),
+            plan=plan)
         gap, ref_path = _gap(flags, var, res.obj)
         results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
                              "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
@@ -137,7 +141,7 @@ def _original_cost(route: list[int], inst, meta, rounded: bool) -> float:
     return checker.tours_cost(xy, checker.split_subtours(route), bool(np.asarray(inst.is_open).reshape(-1)[0]), rounded)
 
 
-def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
+def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: ExecutionPlan) -> dict:
     files = sorted(glob.glob(os.path.join(flags.vrplib_dir, "*.vrp")) +
                    glob.glob(os.path.join(flags.vrplib_dir, "*.txt")))
     if not files:
@@ -150,7 +154,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int) -> dict:
         res = evaluation.evaluate_dataset(cfg, params, inst, pomo_size=flags.pomo_size,
                                           augment=flags.aug == 8, batch_size=1, seed=flags.seed,
                                           progress=False, desc=meta.name,
-                                          chunk_size=getattr(flags, "chunk_size", None))
+                                          chunk_size=getattr(flags, "chunk_size", None), plan=plan)
         rounded = path.endswith(".vrp")
         obj = _original_cost(res.routes[0], inst, meta, rounded)
         best = bks.get(meta.name)

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from mvmoe_jax import checker
 from mvmoe_jax.instances import Instance, take
 from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.rollout import compile_greedy_evaluate, replicated
 
 
@@ -61,9 +62,10 @@ def padded_batches(inst: Instance, batch_size: int) -> Iterator[tuple[int, int, 
 def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: int | None = None,
                      augment: bool = True, batch_size: int = 64, seed: int = 0,
                      progress: bool = True, desc: str = "eval", check_routes: bool = True,
-                     chunk_size: int | None = None) -> DatasetResult:
+                     chunk_size: int | None = None, plan: ExecutionPlan | None = None) -> DatasetResult:
     """Greedy evaluation of a batched Instance (K instances) in jitted batches of ``batch_size``
-    (each decoded ``chunk_size`` augmented instances at a time, see ``rollout.greedy_evaluate``)."""
+    (each decoded ``chunk_size`` augmented instances at a time, see ``rollout.greedy_evaluate``), run as the
+    execution ``plan`` says (None: the default backend's preset)."""
     checker.validate_instances(inst, desc)
     k = inst.locs.shape[0]
     n = inst.locs.shape[1] - 1
@@ -75,7 +77,7 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
     params = replicated(params)           # once, not at every batch
     first = pad_batch(take(inst, np.arange(min(bs, k))), bs)
     compiled = compile_greedy_evaluate(cfg, params, first, rng, pomo_size=pomo, augment=augment,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, plan=plan)
     compile_s = time.perf_counter() - t0
 
     obj, obj_no_aug, actions = [], [], []

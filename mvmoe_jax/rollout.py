@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mvmoe_jax import env, reductions
+from mvmoe_jax import env
 from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
+from mvmoe_jax.engines import lane_reductions
+from mvmoe_jax.execution import ExecutionPlan, default_plan
 from mvmoe_jax.instances import BACKHAUL_RATIO, Instance, augment_8
 from mvmoe_jax.nn.policy import DecoderCache, DecoderRecord, Policy, PolicyConfig
 
@@ -107,30 +109,32 @@ def choice_uniforms(k_pick: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.uniform(k_pick, shape)
 
 
-def first_true(condition: jax.Array) -> jax.Array:
+def first_true(condition: jax.Array, lanes: bool = False) -> jax.Array:
     """int32 (...,): the index of the first True along the last axis of ``condition`` (..., N); N where none.
 
     A float min over the indices (exact below 2**24), one vectorised reduction on XLA:CPU, where argmax's
-    two-operand reduction is not and an int32 min is split into several reduce-windows; in lanes where
-    ``reductions.reduces_in_lanes``.
+    two-operand reduction is not and an int32 min is split into several reduce-windows; in lanes with
+    ``lanes`` (the plan's ``lane_reductions``).
     """
     n = condition.shape[-1]
     index = jnp.where(condition, jnp.arange(n, dtype=jnp.float32), jnp.float32(n))
-    return reductions.node_reduce(index, jnp.minimum).astype(jnp.int32)
+    return lane_reductions.node_reduce(index, jnp.minimum, lanes).astype(jnp.int32)
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
+def first_argmax(x: jax.Array, lanes: bool = False) -> jax.Array:
     """int32 (...,): the index of the first maximum along the last axis of ``x`` (..., N), as ``jnp.argmax``.
 
     A max, then ``first_true`` over the entries that reach it: two plain reductions, which XLA:CPU
     vectorises together with the elementwise work fused into them (the logit clipping's tanh), where
     argmax's two-operand reduction does not (see docs/performance.md, "Greedy choice without argmax").
-    Both reductions run in lanes where ``reductions.reduces_in_lanes``.
+    Both reductions run in lanes with ``lanes`` (the plan's ``lane_reductions``). A row holding a NaN has no
+    defined choice: in lanes it gives N; XLA:CPU's plain maximum ignores the NaN at some widths.
     """
-    return first_true(x == reductions.node_reduce(x, jnp.maximum)[..., None])
+    return first_true(x == lane_reductions.node_reduce(x, jnp.maximum, lanes)[..., None], lanes)
 
 
-def sample_actions(key: jax.Array, logp: jax.Array, uniform: jax.Array | None = None) -> jax.Array:
+def sample_actions(key: jax.Array, logp: jax.Array, uniform: jax.Array | None = None, lanes: bool = False
+                   ) -> jax.Array:
     """One node per row drawn from ``exp(logp)`` (..., N) by inversion: int32 (...,).
 
     One uniform per row instead of ``jax.random.categorical``'s Gumbel draw per node, several times faster
@@ -147,7 +151,7 @@ def sample_actions(key: jax.Array, logp: jax.Array, uniform: jax.Array | None = 
     if uniform is None:
         uniform = choice_uniforms(key, logp.shape[:-1])
     threshold = uniform * total
-    first = first_true(possible & (cdf > threshold[..., None]))
+    first = first_true(possible & (cdf > threshold[..., None]), lanes)
     return jnp.where(first < n, first, 0)      # no such node (nothing possible): 0, as argmax
 
 
@@ -277,10 +281,11 @@ def decode_one_step(policy: Policy, params, cache: DecoderCache, states: env.Sta
     logp, aux_t, gate_probs, *decoder_t = policy.apply(
         params, cache, states.current, dyn, mask, gate_probs, train, log_likelihood, record_decoder, **noise,
         method=Policy.decode, rngs={"gating": k_gate})
+    lanes = policy.plan.lane_reductions
     if decode_type == "greedy":
-        action = first_argmax(logp)
+        action = first_argmax(logp, lanes)
     else:
-        action = sample_actions(k_pick, logp, uniform)
+        action = sample_actions(k_pick, logp, uniform, lanes)
     if log_likelihood:
         chosen = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
         # Finished trajectories only stay at the depot: no log-probability.
@@ -303,47 +308,32 @@ def decoder_storage(first: DecoderRecord, steps: int, given: DecoderRecord | Non
     return given
 
 
-# On a CPU a decoding step whose working set (attention scores and weights, masks, readout scores) stays in the
-# core's cache runs faster per trajectory than one over a whole augmented batch, while fewer, larger chunks pay
-# the per-step fixed costs less often: about 100 trajectories a chunk, never less than one instance (see
-# docs/performance.md, "Chunked greedy decoding").
-CPU_TRAJECTORIES_PER_CHUNK = 100
+def chunk_instances(pomo_size: int, trajectories: int) -> int | None:
+    """Instances in about ``trajectories`` trajectories of ``pomo_size`` starts, at least one (2 at n = 50,
+    5 at n = 20 for 100 trajectories); None for ``trajectories`` 0 (no chunking).
 
-
-def cpu_chunk_instances(pomo_size: int) -> int:
-    """Instances in about ``CPU_TRAJECTORIES_PER_CHUNK`` trajectories of ``pomo_size`` starts, at least one (2 at
-    n = 50, 5 at n = 20, 1 from 51 starts on): a CPU's decoding chunk, here and in training's sampling pass
-    (``chunked_sampling``)."""
-    return max(1, CPU_TRAJECTORIES_PER_CHUNK // max(pomo_size, 1))
-
-
-def default_chunk_size(pomo_size: int) -> int | None:
-    """Instances per sequentially decoded chunk in ``greedy_evaluate``: on CPU ``cpu_chunk_instances``; None
-    (the whole batch at once) on accelerators, whose throughput grows with the batch."""
-    if jax.default_backend() != "cpu":
+    Why chunks: on a CPU a decoding step whose working set (attention scores and weights, masks, readout
+    scores) stays in the core's cache runs faster per trajectory than one over a whole augmented batch, while
+    fewer, larger chunks pay the per-step fixed costs less often (docs/performance.md, "Chunked greedy
+    decoding"); accelerators' throughput grows with the batch (the plan's chunk fields are 0 there)."""
+    if not trajectories:
         return None
-    return cpu_chunk_instances(pomo_size)
+    return max(1, trajectories // max(pomo_size, 1))
 
 
-# An encoder whose MoE layers run grouped (moe.resolve_dispatch) runs on several decoding chunks at once:
-# the grouped blocks prefer thousands of tokens where a decoding step prefers a few hundred trajectories.
-# POMO-MTL's plain feed-forward layers gain nothing, so its encoder stays per chunk (see docs/performance.md,
-# "Encoder token groups").
-CPU_ENCODER_TOKENS = 3264
-
-
-def encoder_token_budget(cfg: PolicyConfig) -> int:
-    """Tokens per encoder call in ``_chunked_greedy_rollout``: ``CPU_ENCODER_TOKENS`` when the encoder has
-    MoE layers that may run grouped (``moe_dispatch`` auto or grouped), else 0 (one chunk per call)."""
-    grouped = cfg.moe_dispatch in ("auto", "grouped")
+def encoder_token_budget(cfg: PolicyConfig, plan: ExecutionPlan) -> int:
+    """Tokens per encoder call in ``_chunked_greedy_rollout``: the plan's ``encoder_tokens`` when the encoder
+    has MoE layers that may run grouped, else 0 (one chunk per call). The grouped blocks prefer thousands of
+    tokens where a decoding step prefers a few hundred trajectories; plain feed-forward layers gain nothing
+    (docs/performance.md, "Encoder token groups")."""
+    grouped = plan.moe_dispatch in ("grouped_mlp", "grouped")
     has_encoder_moe = any(cfg.moe_at(f"Enc{i}") for i in range(cfg.num_layers))
-    return CPU_ENCODER_TOKENS if grouped and has_encoder_moe else 0
+    return plan.encoder_tokens if grouped and has_encoder_moe else 0
 
 
-def encoder_group_size(num_chunks: int, chunk: int, num_nodes: int, budget: int = CPU_ENCODER_TOKENS) -> int:
+def encoder_group_size(num_chunks: int, chunk: int, num_nodes: int, budget: int) -> int:
     """Decoding chunks encoded together by ``_chunked_greedy_rollout``: the largest divisor of
-    ``num_chunks`` whose tokens (chunks x chunk x num_nodes) stay within ``budget`` (at least one chunk).
-    Accelerators decode the whole batch at once and never get here."""
+    ``num_chunks`` whose tokens (chunks x chunk x num_nodes) stay within ``budget`` (at least one chunk)."""
     fit = max(1, budget // (chunk * num_nodes))
     return max(g for g in range(1, min(fit, num_chunks) + 1) if num_chunks % g == 0)
 
@@ -386,7 +376,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
     starts_per_instance = min(pomo_size, inst.locs.shape[-2] - 1)          # P of start_nodes
 
     num_nodes = inst.locs.shape[-2]
-    budget = encoder_token_budget(policy.cfg)
+    budget = encoder_token_budget(policy.cfg, policy.plan)
 
     def decode_chunks(params, chunks, real):
         """(C', ...) outputs of this device's C' chunks, encoded ``group`` chunks at a time."""
@@ -504,13 +494,14 @@ def augmented_batch(inst: Instance) -> Instance:
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), aug)
 
 
-def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance, num_devices: int = 1) -> int:
+def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance, plan: ExecutionPlan,
+                         num_devices: int = 1) -> int:
     """Instances ``greedy_evaluate`` decodes at once for the (augmented) batch ``flat``: ``chunk_size``
-    or ``default_chunk_size``, capped at the batch (the whole batch when there is no chunking) and, over
-    several devices, at an even share of it, so that every device has a chunk."""
+    or the plan's (``chunk_instances``), capped at the batch (the whole batch when there is no chunking) and,
+    over several devices, at an even share of it, so that every device has a chunk."""
     m = flat.locs.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(min(pomo_size, flat.locs.shape[-2] - 1))
+        chunk_size = chunk_instances(min(pomo_size, flat.locs.shape[-2] - 1), plan.eval_chunk_trajectories)
     elif chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of instances, got {chunk_size}")
     share = -(-m // num_devices)
@@ -519,11 +510,12 @@ def effective_chunk_size(chunk_size: int | None, pomo_size: int, flat: Instance,
 
 def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
                     augment: bool = True, chunk_size: int | None = None,
-                    num_devices: int | None = None) -> GreedyResult:
+                    num_devices: int | None = None, plan: ExecutionPlan | None = None) -> GreedyResult:
     """Greedy POMO evaluation of a batch, optionally with x8 augmentation (one pass over 8B instances).
 
     chunk_size: instances decoded at once (the 8B augmented instances are processed in sequential chunks
-    of this many; results do not depend on it). None: ``default_chunk_size(starts)``.
+    of this many; results do not depend on it). None: the plan's (``chunk_instances``).
+    plan: the execution plan (None: ``execution.default_plan()``, the preset of the default backend).
     num_devices: the chunks are dealt out over this process's first ``num_devices`` devices, which decode
     their shares at the same time (None: all of them; see ``devices.use_cpu_cores_as_devices`` for a
     CPU's cores as devices). Results do not depend on it. Inputs are copied to those devices as needed.
@@ -532,17 +524,19 @@ def greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *
     num_devices = local_mesh(num_devices).devices.size
     params, inst, rng = replicated((params, inst, rng), num_devices)
     return _greedy_evaluate(cfg, params, inst, rng, pomo_size=pomo_size, augment=augment, chunk_size=chunk_size,
-                            num_devices=num_devices)
+                            num_devices=num_devices, plan=plan or default_plan())
 
 
 def compile_greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
                             augment: bool = True, chunk_size: int | None = None,
-                            num_devices: int | None = None) -> "CompiledGreedyEvaluate":
+                            num_devices: int | None = None, plan: ExecutionPlan | None = None
+                            ) -> "CompiledGreedyEvaluate":
     """``greedy_evaluate`` compiled for the shapes of (params, inst, rng) (for timing compilation apart):
     called as (params, inst, rng) -> GreedyResult for batches of those shapes."""
     num_devices = local_mesh(num_devices).devices.size
     compiled = _greedy_evaluate.lower(cfg, *replicated((params, inst, rng), num_devices), pomo_size=pomo_size,
-                                      augment=augment, chunk_size=chunk_size, num_devices=num_devices).compile()
+                                      augment=augment, chunk_size=chunk_size, num_devices=num_devices,
+                                      plan=plan or default_plan()).compile()
     return CompiledGreedyEvaluate(compiled, num_devices)
 
 
@@ -583,16 +577,16 @@ def replicated(tree, num_devices: int | None = None):
     return jax.tree.unflatten(treedef, leaves)
 
 
-@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size", "num_devices"))
+@partial(jax.jit, static_argnames=("cfg", "pomo_size", "augment", "chunk_size", "num_devices", "plan"))
 def _greedy_evaluate(cfg: PolicyConfig, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                     augment: bool, chunk_size: int | None, num_devices: int) -> GreedyResult:
+                     augment: bool, chunk_size: int | None, num_devices: int, plan: ExecutionPlan) -> GreedyResult:
     """``greedy_evaluate``'s program; the inputs are on the devices of ``local_mesh(num_devices)``."""
     b = inst.locs.shape[0]
     flat = augmented_batch(inst) if augment else inst
     m = flat.locs.shape[0]
     mesh = local_mesh(num_devices)
-    chunk = effective_chunk_size(chunk_size, pomo_size, flat, num_devices)
-    policy = Policy(cfg)
+    chunk = effective_chunk_size(chunk_size, pomo_size, flat, plan, num_devices)
+    policy = Policy(cfg, plan)
     if chunk == m:
         out = rollout(policy, params, flat, pomo_size=pomo_size, decode_type="greedy", rng=rng,
                       log_likelihood=False)

@@ -8,10 +8,10 @@ the stepwise backward one program, ``sample_and_train_step``, whose encoder pass
 1. ``sample_trajectories`` (no gradient): ``rollout.rollout(..., decode_type='sampling', train=True,
    record=True)``, the inference rollout, which also records what the decoder saw at every step (the
    feasibility mask and the dynamic features; the current node is the previous action) and returns the
-   number of decoding steps the batch needed. On a CPU ``sample_and_train_step`` decodes each device's
-   instances a few at a time instead (``chunked_sampling``; same trajectories and record, see
-   ``sampling_chunk``).
-2. ``train_step`` (gradient), in one of two ways (``StepSettings.backward``); both re-run the decoder on
+   number of decoding steps the batch needed. Where the plan says so (``sampling_chunk_trajectories``)
+   ``sample_and_train_step`` decodes each device's instances a few at a time instead (``chunked_sampling``;
+   same trajectories and record, see ``sampling_chunk``).
+2. ``train_step`` (gradient), in one of two ways (the execution plan's ``backward``); both re-run the decoder on
    the recorded inputs (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same
    MoE gating noise and MVMoE-L branch draws), so the log-likelihood they differentiate equals the
    sampling pass's (tested) and the gradient is the REINFORCE gradient of the sampled trajectories:
@@ -50,16 +50,14 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mvmoe_jax import problems
+from mvmoe_jax import execution, problems
 from mvmoe_jax.chunked_sampling import chunked_sampling, sampling_chunk_size
 from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
 from mvmoe_jax.instances import Instance, generate, generate_instance
-from mvmoe_jax.nn import moe as moe_lib
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.nn.policy import DecoderRecord, Policy, PolicyConfig, decoder_record_floats
 from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout, step_keys
 
-BACKWARDS = ("auto", "stepwise", "replay")
-REUSE_SAMPLING = ("auto", "always", "never")
 # Largest decoder record (per device) that ``reuse_sampling='auto'`` keeps: see ``reuses_sampling_pass``.
 DECODER_RECORD_BUDGET_BYTES = 1 << 30
 
@@ -257,7 +255,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     already ran it (``sample_and_train_step``). ``mesh``: the data mesh the batch is sharded over, where
     the loop may run per device (``steps_run_per_device``). jit-compatible (``policy``, ``mesh`` static).
 
-    With the query fusion (``cfg.fused_query``) each step gathers its attention scores from the fusion's
+    With the query fusion (the plan's ``fused_query``) each step gathers its attention scores from the fusion's
     tables, computed once here without gradient, instead of multiplying queries and keys again; the
     gradient flows through the hoisted query and the keys as before (``attention_with_given_scores``): a
     small gain on a CPU (see docs/performance.md, "Fused readout and query"). The tables are the query
@@ -266,7 +264,7 @@ def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutp
     _, keys = decoding_keys(rng, traj.masks.shape[0])
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
     score_tables = None
-    if policy.cfg.fused_query and traj.decoder is None:
+    if policy.plan.fused_query and traj.decoder is None:
         tables = jax.lax.stop_gradient(policy.apply(params, cache, method=Policy.with_query_scores))
         score_tables = (tables.node_scores, tables.feature_scores)
     if steps_run_per_device(policy.cfg, mesh):
@@ -351,7 +349,8 @@ def init_params(cfg: PolicyConfig, key: jax.Array, num_customers: int = 20) -> d
 @partial(jax.jit, static_argnums=0)
 def _init_params(cfg: PolicyConfig, key: jax.Array, inst: Instance) -> dict:
     k_params, k_gate = jax.random.split(key)
-    return {"params": Policy(cfg).init({"params": k_params, "gating": k_gate}, inst)["params"]}
+    # The parameters do not depend on the execution plan: initialised through the reference computation.
+    return {"params": Policy(cfg, execution.reference()).init({"params": k_params, "gating": k_gate}, inst)["params"]}
 
 
 def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
@@ -378,23 +377,8 @@ class StepSettings:
 
     pomo_size: int
     aux_loss_coef: float
-    backward: str = "auto"      # auto (= stepwise) | stepwise | replay; see resolved_backward
-    replay_chunk: int = 8
-    replay_remat: bool = False
-    reuse_sampling: str = "auto"   # auto | always | never; see reuses_sampling_pass
-
-    def __post_init__(self):
-        if self.backward not in BACKWARDS:
-            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
-        if self.reuse_sampling not in REUSE_SAMPLING:
-            raise ValueError(f"reuse_sampling must be one of {REUSE_SAMPLING}, got {self.reuse_sampling!r}")
-
-    @property
-    def resolved_backward(self) -> str:
-        """``backward`` with ``auto`` resolved: ``stepwise`` (``stepwise_gradients``), faster than ``replay``
-        on a CPU and on a GPU (no forward replay, no padding to a bucket, and a fraction of the memory; see
-        docs/performance.md, "Stepwise backward")."""
-        return "stepwise" if self.backward == "auto" else self.backward
+    replay_chunk: int = 8          # the replay's steps vmapped at a time (plan backward "replay")
+    replay_remat: bool = False     # the replay recomputes each chunk in the backward pass
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
@@ -408,7 +392,7 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     def loss_of(ll, aux):
         return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
 
-    if settings.resolved_backward == "stepwise":
+    if policy.plan.backward == "stepwise":
         # The loss is linear in (ll, aux): its partial derivatives weigh the per-step gradients.
         ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
             traj.log_likelihood, traj.aux_loss)
@@ -436,60 +420,57 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     return new, metrics
 
 
-def decoder_record_bytes(cfg: PolicyConfig, trajectories: int, num_nodes: int, steps: int) -> int:
+def decoder_record_bytes(cfg: PolicyConfig, plan: ExecutionPlan, trajectories: int, num_nodes: int,
+                         steps: int) -> int:
     """Memory of a rollout's decoder record: ``steps`` x ``trajectories`` (instances x starts) x
     ``decoder_record_floats`` float32 values."""
-    return 4 * steps * trajectories * decoder_record_floats(cfg, num_nodes)
+    return 4 * steps * trajectories * decoder_record_floats(cfg, plan, num_nodes)
 
 
-def reuses_sampling_pass(settings: StepSettings, cfg: PolicyConfig, *, trajectories_per_device: int,
-                         num_nodes: int, max_steps: int, platform: str) -> bool:
+def reuses_sampling_pass(policy: Policy, *, trajectories_per_device: int, num_nodes: int, max_steps: int) -> bool:
     """Whether ``sample_and_train_step`` records each decoding step's attention weights, attention output
     and readout scores while sampling (``rollout(..., record_decoder=True)``) so that the backward loop
-    takes them instead of computing the attention and the readout product again.
+    takes them instead of computing the attention and the readout product again (the plan's
+    ``reuse_sampling``).
 
-    ``always`` / ``never`` decide; ``auto`` records on a CPU when the record fits in
-    ``DECODER_RECORD_BUDGET_BYTES`` per device, the record being a float per attention weight, 8 x N per
-    trajectory and step: 0.5 GB per device for 32 instances of n = 50 over its 104 recorded steps, 3.5 GB
-    at n = 100; and only for a decoder MoE's four readout maps without MVMoE-L's gate (MVMoE/4E). With one
-    map to recompute (POMO-MTL; MVMoE-L, whose steps mostly draw the dense map) the record's memory traffic
-    costs what it saves, and on a GPU the recomputation is cheap (see docs/performance.md, "Reuse of the
-    sampling pass"). Needs the readout fusion (``PolicyConfig.uses_fused_readout``); without it, never."""
-    if not cfg.uses_fused_readout or settings.reuse_sampling == "never":
+    ``always`` / ``never`` decide; ``auto`` records when the record fits in ``DECODER_RECORD_BUDGET_BYTES``
+    per device, the record being a float per attention weight, 8 x N per trajectory and step: 0.5 GB per
+    device for 32 instances of n = 50 over its 104 recorded steps, 3.5 GB at n = 100; and only for a decoder
+    MoE's four readout maps without MVMoE-L's gate (MVMoE/4E). With one map to recompute (POMO-MTL; MVMoE-L,
+    whose steps mostly draw the dense map) the record's memory traffic costs what it saves (see
+    docs/performance.md, "Reuse of the sampling pass"). Needs the readout fusion; without it, never."""
+    cfg, plan = policy.cfg, policy.plan
+    if not policy.fuses_readout or plan.reuse_sampling == "never":
         return False
-    if settings.reuse_sampling == "always":
+    if plan.reuse_sampling == "always":
         return True
-    size = decoder_record_bytes(cfg, trajectories_per_device, num_nodes, max_steps)
+    size = decoder_record_bytes(cfg, plan, trajectories_per_device, num_nodes, max_steps)
     # One group of several maps: a decoder MoE's experts, without MVMoE-L's dense-or-MoE gate.
     several_maps = len(cfg.readout_map_counts) == 1 and cfg.readout_map_counts[0] > 1
-    return platform == "cpu" and several_maps and size <= DECODER_RECORD_BUDGET_BYTES
+    return several_maps and size <= DECODER_RECORD_BUDGET_BYTES
 
 
-def records_decoder(settings: StepSettings, cfg: PolicyConfig, inst: Instance, max_steps: int,
+def records_decoder(policy: Policy, settings: StepSettings, inst: Instance, max_steps: int,
                     mesh: Mesh | None) -> bool:
     """``reuses_sampling_pass`` for a batch of ``inst`` split over ``mesh`` (None: the default device), with
     the stepwise backward (the replay recomputes everything)."""
-    if settings.resolved_backward != "stepwise":
+    if policy.plan.backward != "stepwise":
         return False
-    num_devices, platform = _devices_and_platform(mesh)
-    return reuses_sampling_pass(settings, cfg, num_nodes=inst.locs.shape[-2], max_steps=max_steps,
-                                trajectories_per_device=inst.locs.shape[0] * settings.pomo_size // num_devices,
-                                platform=platform)
+    num_devices = _num_devices(mesh)
+    return reuses_sampling_pass(policy, num_nodes=inst.locs.shape[-2], max_steps=max_steps,
+                                trajectories_per_device=inst.locs.shape[0] * settings.pomo_size // num_devices)
 
 
-def sampling_chunk(settings: StepSettings, cfg: PolicyConfig, inst: Instance, mesh: Mesh | None) -> int | None:
+def sampling_chunk(policy: Policy, settings: StepSettings, inst: Instance, mesh: Mesh | None) -> int | None:
     """Instances per chunk in which ``sample_and_train_step``'s sampling pass decodes each device's share of
     ``inst`` (``chunked_sampling.sampling_chunk_size``; None: the whole share at once, ``rollout.rollout``).
     Same trajectories and record either way. See docs/performance.md, "Chunked sampling"."""
-    num_devices, platform = _devices_and_platform(mesh)
-    return sampling_chunk_size(cfg, settings.pomo_size, inst.locs.shape[0] // num_devices, platform)
+    return sampling_chunk_size(policy.cfg, policy.plan, settings.pomo_size, inst.locs.shape[0] // _num_devices(mesh))
 
 
-def _devices_and_platform(mesh: Mesh | None) -> tuple[int, str]:
-    """(device count, platform name) of ``mesh``; None: the default device."""
-    if mesh is None:
-        return 1, jax.default_backend()
-    return mesh.devices.size, mesh.devices.flat[0].platform
+def _num_devices(mesh: Mesh | None) -> int:
+    """Devices of ``mesh``; None: the default device."""
+    return 1 if mesh is None else mesh.devices.size
 
 
 def sample_and_train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings,
@@ -521,16 +502,16 @@ def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings
                       state: TrainState, inst: Instance, rng: jax.Array, *, max_steps: int,
                       mesh: Mesh | None = None, decoder_buffers: DecoderRecord | None = None
                       ) -> tuple[TrainState, dict, RolloutOutput]:
-    if settings.resolved_backward != "stepwise":
+    if policy.plan.backward != "stepwise":
         raise ValueError("sample_and_train_step needs the stepwise backward; the replay compiles per length")
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, state.params, inst, rng)
     sampling_cache = cache
-    if policy.cfg.fused_query:
+    if policy.plan.fused_query:
         # Without node_queries the sampling pass takes the query fusion's forward-only attention.
         sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
-    record_decoder = records_decoder(settings, policy.cfg, inst, max_steps, mesh)
-    chunk = sampling_chunk(settings, policy.cfg, inst, mesh)
+    record_decoder = records_decoder(policy, settings, inst, max_steps, mesh)
+    chunk = sampling_chunk(policy, settings, inst, mesh)
     # Both refuse decoder_buffers for a batch that keeps no record.
     if chunk is None:
         traj = rollout(policy, state.params, inst, pomo_size=settings.pomo_size, decode_type="sampling", rng=rng,
@@ -546,17 +527,6 @@ def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings
     return state, metrics, traj
 
 
-def _sorting_per_device(fn, groups: int):
-    """``fn`` traced with the grouped MoE execution sorting within each device's share of the batch
-    (``moe.sort_groups``; the batch is split over ``groups`` devices)."""
-    @functools.wraps(fn)
-    def traced(*args, **kwargs):
-        with moe_lib.sort_groups(groups):
-            return fn(*args, **kwargs)
-
-    return traced
-
-
 class StepFunctions:
     """The jitted pieces of a training step on a device mesh (batch sharded over ``'data'``, parameters
     and optimiser state replicated). With a one-device mesh this is the plain single-device step.
@@ -567,17 +537,20 @@ class StepFunctions:
     one batch drawn from ``key``.
     """
 
-    def __init__(self, cfg: PolicyConfig, tx: optax.GradientTransformation | OptimizerSettings,
+    def __init__(self, cfg: PolicyConfig, plan: ExecutionPlan, tx: optax.GradientTransformation | OptimizerSettings,
                  settings: StepSettings, *, num_customers: int, variants: Sequence[str | problems.Variant],
                  mixed: bool, mesh: Mesh, replay_bucket_size: int = 0):
         if isinstance(tx, OptimizerSettings):
             tx = tx.build()
         self.tx = tx
-        self.policy = Policy(cfg)
-        # The replay compiles the update once per replay length; the stepwise backward compiles it once.
-        self.replays = settings.resolved_backward == "replay"
         self.mesh = mesh
         self.num_devices = mesh.devices.size
+        self.plan = plan
+        # The grouped MoE execution sorts within each device's share of the batch: a sort over the whole
+        # batch would gather every device's units onto each.
+        self.policy = Policy(cfg, plan.replace(moe_sort_groups=plan.moe_sort_groups * self.num_devices))
+        # The replay compiles the update once per replay length; the stepwise backward compiles it once.
+        self.replays = plan.backward == "replay"
         self.bucket = replay_bucket(num_customers, replay_bucket_size)
         self.max_steps = max_decoding_steps(num_customers, self.bucket)
         flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in variants)
@@ -587,37 +560,33 @@ class StepFunctions:
                                       variant_flags=flags, mixed=mixed),
                               static_argnums=1, out_shardings=self.batch_sharding)
         self.settings = settings
-        per_device = partial(_sorting_per_device, groups=self.num_devices)
         # With and without the decoder record (records_decoder: the batch's size decides).
-        self._samples = {record: jax.jit(per_device(partial(sample_trajectories, self.policy,
-                                                            pomo_size=settings.pomo_size, max_steps=self.max_steps,
-                                                            record_decoder=record)),
+        self._samples = {record: jax.jit(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
+                                                 max_steps=self.max_steps, record_decoder=record),
                                          out_shardings=trajectory_shardings(mesh, decoder=record))
                          for record in (False, True)}
-        self._update = jax.jit(per_device(partial(train_step, self.policy, tx, settings, mesh=mesh)),
+        self._update = jax.jit(partial(train_step, self.policy, tx, settings, mesh=mesh),
                                static_argnames="num_steps", out_shardings=(self.replicated, self.replicated))
         self._sample_and_update = jax.jit(
-            per_device(partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps,
-                               mesh=mesh)),
+            partial(sample_and_train_step, self.policy, tx, settings, max_steps=self.max_steps, mesh=mesh),
             out_shardings=(self.replicated, self.replicated))
         # Batches that keep the decoder record write it into the previous step's record, donated.
         self._record_sharding = trajectory_shardings(mesh, decoder=True).decoder
         self._sample_and_update_in_place = jax.jit(
-            per_device(partial(sample_and_train_step_in_place, self.policy, tx, settings, max_steps=self.max_steps,
-                               mesh=mesh)),
+            partial(sample_and_train_step_in_place, self.policy, tx, settings, max_steps=self.max_steps, mesh=mesh),
             donate_argnums=3, out_shardings=(self.replicated, self.replicated, self._record_sharding))
         self._record_buffers: DecoderRecord | None = None
         self._record_spec_cache: dict = {}
 
     @classmethod
     @functools.lru_cache(maxsize=8)
-    def cached(cls, cfg: PolicyConfig, opt: OptimizerSettings, settings: StepSettings, *, num_customers: int,
-               variants: tuple[str, ...], mixed: bool, mesh: Mesh, replay_bucket_size: int = 0
+    def cached(cls, cfg: PolicyConfig, plan: ExecutionPlan, opt: OptimizerSettings, settings: StepSettings, *,
+               num_customers: int, variants: tuple[str, ...], mixed: bool, mesh: Mesh, replay_bucket_size: int = 0
                ) -> "StepFunctions":
         """The same functions for the same arguments, so that runs in one process (a resumed run, the
         tests) reuse what was compiled."""
-        return cls(cfg, opt, settings, num_customers=num_customers, variants=variants, mixed=mixed, mesh=mesh,
-                   replay_bucket_size=replay_bucket_size)
+        return cls(cfg, plan, opt, settings, num_customers=num_customers, variants=variants, mixed=mixed,
+                   mesh=mesh, replay_bucket_size=replay_bucket_size)
 
     def init_state(self, params) -> TrainState:
         """A fresh optimiser around ``params``, replicated over the mesh."""
@@ -638,7 +607,7 @@ class StepFunctions:
     def _sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
         """The jitted sampler, with the decoder record when the one-program step would keep it (so that
         ``sample`` then ``update`` computes what ``sample_and_update`` does)."""
-        record = records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh)
+        record = records_decoder(self.policy, self.settings, inst, self.max_steps, self.mesh)
         return self._samples[record](params, inst, rng)
 
     def sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
@@ -666,7 +635,7 @@ class StepFunctions:
         self.check_batch_size(inst.locs.shape[0])
         inst = jax.device_put(inst, self.batch_sharding)
         # records_decoder is False for the replay, which _sample_and_update then refuses.
-        if not records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
+        if not records_decoder(self.policy, self.settings, inst, self.max_steps, self.mesh):
             return self._sample_and_update(state, inst, rng)
         wanted = self._record_spec(state.params, inst, rng)
         buffers, self._record_buffers = self._record_buffers, None      # donated below
@@ -699,7 +668,7 @@ class StepFunctions:
         self.check_batch_size(inst.locs.shape[0])
         inst = jax.device_put(inst, self.batch_sharding)
         if not self.replays:
-            if records_decoder(self.settings, self.policy.cfg, inst, self.max_steps, self.mesh):
+            if records_decoder(self.policy, self.settings, inst, self.max_steps, self.mesh):
                 record = self._record_spec(state.params, inst, rng)
                 return program_memory_bytes(self._sample_and_update_in_place.lower(state, inst, rng, record).compile())
             return program_memory_bytes(self._sample_and_update.lower(state, inst, rng).compile())

@@ -25,8 +25,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, devices, precision, problems, shipped, training
+from mvmoe_jax import checkpoints, devices, execution, precision, problems, shipped, training
 from mvmoe_jax.cli import policy_config
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
 from mvmoe_jax.nn import moe as moe_lib
 from mvmoe_jax.nn.policy import PolicyConfig
@@ -39,7 +40,7 @@ PLOT_FILE = "validation.png"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunPlan:
+class RunSettings:
     """What a config means for the loop."""
 
     policy: PolicyConfig
@@ -57,8 +58,8 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_config(config: ml_collections.ConfigDict) -> RunPlan:
-    """Validate a run config (clear ValueErrors) and derive the run's plan."""
+def check_config(config: ml_collections.ConfigDict) -> RunSettings:
+    """Validate a run config (clear ValueErrors) and derive the run's settings."""
     n = config.problem_size
     _require(n in CAPACITY_BY_SIZE, f"problem_size must be one of {sorted(CAPACITY_BY_SIZE)} (the paper's "
              f"generator defines capacities for those), got {n}")
@@ -85,10 +86,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     _require(policy.model != "pomo" or len(variants) == 1,
              f"model 'pomo' is the single-task baseline: give one variant in train_problems (got "
              f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
-    _require(config.backward in training.BACKWARDS,
-             f"backward must be one of {', '.join(training.BACKWARDS)}, got {config.backward!r}")
-    _require(config.get("reuse_sampling", "auto") in training.REUSE_SAMPLING,
-             f"reuse_sampling must be one of {', '.join(training.REUSE_SAMPLING)}, got {config.reuse_sampling!r}")
+    execution_settings(config)          # a bad preset or field value fails here, before JAX starts
     for name in ("matmul_precision", "eval_matmul_precision"):
         precision.check(config.get(name, "default"), what=name)
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
@@ -100,29 +98,42 @@ def check_config(config: ml_collections.ConfigDict) -> RunPlan:
     decay_step = decay_epoch * steps if decay_epoch < config.epochs else None
     optimizer = training.OptimizerSettings(float(config.learning_rate), float(config.weight_decay), decay_step,
                                            float(config.lr_decay_factor))
-    return RunPlan(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer)
+    return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer)
+
+
+def execution_settings(config: ml_collections.ConfigDict) -> tuple[str, dict]:
+    """(preset, field overrides) of ``config.execution``, checked against the plan's fields and values."""
+    values = dict(config.get("execution", {}))
+    preset = values.pop("preset", "auto")
+    overrides = {k: v for k, v in values.items() if v is not None}
+    execution.plan_for("cpu" if preset == "auto" else preset, **overrides)
+    return preset, overrides
+
+
+def execution_plan(config: ml_collections.ConfigDict) -> ExecutionPlan:
+    """The run's execution plan on JAX's default backend (after ``use_cpu_devices``)."""
+    preset, overrides = execution_settings(config)
+    return execution.plan_for(preset, jax.default_backend(), **overrides)
 
 
 def use_cpu_devices(config: ml_collections.ConfigDict) -> int:
-    """Before any JAX computation: present the CPU as ``config.cpu_devices`` devices (0: one per usable
+    """Before any JAX computation: present the CPU as the plan's ``cpu_devices`` devices (0: one per usable
     core, reduced to the largest count that splits every batch of the run evenly). Returns the count."""
-    return devices.use_cpu_devices(config.get("cpu_devices", 0), config.batch_size,
-                                   check_config(config).last_batch)
+    cpu_devices, _ = execution.process_settings(*execution_settings(config))
+    return devices.use_cpu_devices(cpu_devices, config.batch_size, check_config(config).last_batch,
+                                   what="execution.cpu_devices")
 
 
-def step_functions(config: ml_collections.ConfigDict, plan: RunPlan, mesh) -> StepFunctions:
+def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh) -> StepFunctions:
     """The (cached) jitted training step of a run on ``mesh``."""
     # The MoE layers already weigh their load-balancing loss by DEFAULT_LOSS_COEF (the reference's 1e-3);
     # aux_loss_coef is the paper's alpha on the unweighted loss.
     settings = StepSettings(pomo_size=config.pomo_size,
                             aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
-                            backward=config.backward, replay_chunk=config.replay_chunk,
-                            replay_remat=config.replay_remat,
-                            reuse_sampling=config.get("reuse_sampling", "auto"))
-    # 'auto' resolved here, so that a run asking for it and one naming the backend's default share the cache.
-    settings = dataclasses.replace(settings, backward=settings.resolved_backward)
-    return StepFunctions.cached(plan.policy, plan.optimizer, settings, num_customers=config.problem_size,
-                                variants=plan.variants, mixed=config.mixed_batches, mesh=mesh,
+                            replay_chunk=config.replay_chunk, replay_remat=config.replay_remat)
+    return StepFunctions.cached(run.policy, execution_plan(config), run.optimizer, settings,
+                                num_customers=config.problem_size,
+                                variants=run.variants, mixed=config.mixed_batches, mesh=mesh,
                                 replay_bucket_size=config.replay_bucket)
 
 
@@ -238,21 +249,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
     last good checkpoint stays the latest).
     """
-    plan = check_config(config)
+    run = check_config(config)
     stop_after_epoch = int(config.get("stop_after_epoch", 0)) or None
     if config.distributed:
         jax.distributed.initialize()
     mesh = training.make_mesh(mesh_devices)
     n_dev = mesh.devices.size
-    for size in {config.batch_size, plan.last_batch}:
+    for size in {config.batch_size, run.last_batch}:
         _require(size % n_dev == 0, f"batch of {size} instances cannot be split over {n_dev} devices: "
                  f"batch_size (and train_episodes mod batch_size, when not 0) must be divisible by {n_dev}")
     workdir = os.path.abspath(config.workdir)
     os.makedirs(workdir, exist_ok=True)
     metrics_path = os.path.join(workdir, METRICS_FILE)
-    cfg = plan.policy
+    cfg = run.policy
 
-    fns = step_functions(config, plan, mesh)
+    fns = step_functions(config, run, mesh)
     k_init, run_key = jax.random.split(jax.random.key(config.seed))
     template = fns.init_state(training.init_params(cfg, k_init))
     mngr = checkpoint_manager(workdir, config.keep_checkpoints)
@@ -274,16 +285,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
             truncate_metrics(metrics_path, -1)
         state = fns.replicate(state)
         with precision.matmul_precision(config.get("matmul_precision", precision.TRAIN_DEFAULT)):
-            return _run(config, plan, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
+            return _run(config, run, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
                         stop_after_epoch)
     finally:
         mngr.wait_until_finished()
         mngr.close()
 
 
-def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
+def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
          workdir: str, metrics_path: str, stop_after_epoch: int | None) -> dict:
-    cfg = plan.policy
+    cfg = run.policy
     validator = None
     if config.validate_every_epochs:
         validator = Validator(cfg, variants=config.validation_problems or config.train_problems,
@@ -291,13 +302,13 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
                               num_instances=config.validation_instances,
                               batch_size=config.validation_batch_size, data_dir=config.data_dir,
                               augment=config.validation_aug, seed=config.validation_seed,
-                              sharding=_validation_sharding(config, fns))
+                              sharding=_validation_sharding(config, fns), plan=fns.plan)
         _say(f"validation sets: {validator.describe()}")
-    _say(f"training {cfg.model} on {','.join(plan.variants)} (n={config.problem_size}, pomo={config.pomo_size}) "
-         f"with {fns.num_devices} device(s): {config.epochs} epochs x {plan.steps_per_epoch} steps of "
+    _say(f"training {cfg.model} on {','.join(run.variants)} (n={config.problem_size}, pomo={config.pomo_size}) "
+         f"with {fns.num_devices} device(s): {config.epochs} epochs x {run.steps_per_epoch} steps of "
          f"{config.batch_size}; workdir {workdir}")
     meta_base = {"seed": config.seed, "rng_key_data": np.asarray(jax.random.key_data(run_key)).tolist(),
-                 "steps_per_epoch": plan.steps_per_epoch, "config": config.to_dict()}
+                 "steps_per_epoch": run.steps_per_epoch, "config": config.to_dict()}
     is_main = jax.process_index() == 0
     record: dict = {}
     time_limit = float(config.get("time_limit_seconds", 0))
@@ -326,18 +337,18 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
         t0 = time.perf_counter()
         sums = {k: 0.0 for k in ("loss", "pg_loss", "aux_loss", "score", "grad_norm")}
         count = 0
-        bar = tqdm(range(plan.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
+        bar = tqdm(range(run.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
                    disable=not (config.progress_bar and is_main))
         for i in bar:
-            size = plan.batch_size_of(i, config.batch_size)
-            step = (epoch - 1) * plan.steps_per_epoch + i
+            size = run.batch_size_of(i, config.batch_size)
+            step = (epoch - 1) * run.steps_per_epoch + i
             state, m = fns.step(state, training.step_key(run_key, step), size)
             m = jax.device_get(m)
             if not m["finite"]:
                 last = mngr.latest_step()
                 raise NonFiniteError(
                     f"non-finite loss or gradient at step {step} (epoch {epoch}, batch {i + 1}/"
-                    f"{plan.steps_per_epoch}): loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}. "
+                    f"{run.steps_per_epoch}): loss={float(m['loss'])}, grad_norm={float(m['grad_norm'])}. "
                     "Stopped without saving this state; the last good checkpoint is "
                     + (f"epoch {last} in {os.path.join(workdir, CHECKPOINT_DIR)}" if last is not None
                        else "none (no epoch had completed)"))
@@ -347,8 +358,8 @@ def _run(config, plan: RunPlan, fns: StepFunctions, mngr, state: TrainState, sta
             bar.set_postfix(score=f"{sums['score'] / count:.4f}", loss=f"{sums['loss'] / count:.4f}")
         bar.close()
         train_s = time.perf_counter() - t0
-        step = epoch * plan.steps_per_epoch
-        record = {"epoch": epoch, "step": step, "lr": plan.optimizer.learning_rate_at(step - 1),
+        step = epoch * run.steps_per_epoch
+        record = {"epoch": epoch, "step": step, "lr": run.optimizer.learning_rate_at(step - 1),
                   "train": {k: v / count for k, v in sums.items()},
                   "time": {"train_seconds": train_s, "instances_per_second": count / train_s}}
         _say(f"epoch {epoch}/{config.epochs}: score {record['train']['score']:.4f}  loss "

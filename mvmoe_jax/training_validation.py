@@ -18,6 +18,7 @@ import numpy as np
 from mvmoe_jax import evaluation, io, problems
 from mvmoe_jax.instances import Instance, generate
 from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.rollout import greedy_evaluate
 
 
@@ -25,8 +26,10 @@ class Validator:
     """Fixed validation sets of one run and their evaluation."""
 
     def __init__(self, cfg: PolicyConfig, *, variants, num_customers: int, pomo_size: int, num_instances: int,
-                 batch_size: int, data_dir: str | None, augment: bool, seed: int, sharding=None):
+                 batch_size: int, data_dir: str | None, augment: bool, seed: int, sharding=None,
+                 plan: ExecutionPlan | None = None):
         self.cfg = cfg
+        self.plan = plan              # the execution plan (None: the default backend's)
         self.sharding = sharding      # batch sharding over a device mesh, or None
         self.pomo_size = pomo_size
         self.batch_size = max(1, min(batch_size, num_instances))
@@ -67,7 +70,7 @@ class Validator:
             if self.sharding is not None:
                 batch = jax.device_put(batch, self.sharding)
             res = greedy_evaluate(self.cfg, params, batch, jax.random.fold_in(jax.random.key(0), i),
-                                  pomo_size=self.pomo_size, augment=self.augment)
+                                  pomo_size=self.pomo_size, augment=self.augment, plan=self.plan)
             res = jax.device_get(res)
             objs.append((res.obj if self.augment else res.obj_no_aug)[: hi - lo])
         return np.concatenate(objs).astype(np.float64)

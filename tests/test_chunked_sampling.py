@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from mvmoe_jax import chunked_sampling, instances, rollout, training
+from mvmoe_jax import chunked_sampling, execution, instances, rollout, training
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
+
+CPU = execution.cpu()
 
 N = 20
 TINY = dict(embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=("Enc0", "Dec"))
@@ -67,7 +69,7 @@ def test_chunks_sample_what_the_whole_batch_samples(model, record):
     gating noise taken from the whole batch's draws), including the steps after a chunk has finished,
     which the whole batch still decodes; the auxiliary loss is the encoder's alone."""
     cfg = tiny_policy(model)
-    policy = Policy(cfg)
+    policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
     whole, chunked, encoder_aux = whole_and_chunked(policy, params, inst, rng, chunk=2, record_decoder=record)
@@ -83,16 +85,17 @@ def test_chunks_sample_what_the_whole_batch_samples(model, record):
 
 
 def test_chunk_sizes_and_bad_input():
-    """About 100 trajectories a chunk on a CPU (the largest divisor of a device's share within
-    ``rollout.default_chunk_size``), none on accelerators, for MVMoE-L or where one chunk is the whole share;
-    clear errors for MVMoE-L, chunks that do not divide the share and storage without a record."""
+    """About 100 trajectories a chunk in the cpu plan (the largest divisor of a device's share within
+    ``rollout.chunk_instances``), none in the gpu and reference plans, for MVMoE-L or where one chunk is the
+    whole share; clear errors for MVMoE-L, chunks that do not divide the share and storage without a record."""
     cfg = tiny_policy("mvmoe")
     size = chunked_sampling.sampling_chunk_size
-    assert [size(cfg, 50, 32, "cpu"), size(cfg, 20, 32, "cpu"), size(cfg, 100, 32, "cpu")] == [2, 4, 1]
-    assert size(cfg, 20, 6, "cpu") == 3 and size(cfg, 20, 5, "cpu") is None and size(cfg, 50, 2, "cpu") is None
-    assert size(cfg, 50, 32, "gpu") is None and size(tiny_policy("mvmoe_light"), 50, 32, "cpu") is None
+    assert [size(cfg, CPU, 50, 32), size(cfg, CPU, 20, 32), size(cfg, CPU, 100, 32)] == [2, 4, 1]
+    assert size(cfg, CPU, 20, 6) == 3 and size(cfg, CPU, 20, 5) is None and size(cfg, CPU, 50, 2) is None
+    assert size(cfg, execution.gpu(), 50, 32) is None and size(cfg, execution.reference(), 50, 32) is None
+    assert size(tiny_policy("mvmoe_light"), CPU, 50, 32) is None
 
-    policy = Policy(cfg)
+    policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
     encoded = rollout.encode(policy, params, inst, rng, True)
@@ -103,7 +106,7 @@ def test_chunk_sizes_and_bad_input():
     with pytest.raises(ValueError, match="pass record_decoder=True"):
         run(policy, chunk=2, decoder_buffers=jnp.zeros(()))
     with pytest.raises(ValueError, match="MVMoE-L's gate needs the whole batch"):
-        run(Policy(tiny_policy("mvmoe_light")), chunk=2)
+        run(Policy(tiny_policy("mvmoe_light"), CPU), chunk=2)
 
 
 TWO_DEVICE_SCRIPT = r"""
@@ -118,7 +121,7 @@ assert len(jax.devices()) == 2
 mesh = make_mesh(jax.devices())
 for model, record in (("mvmoe", True), ("mvmoe", False), ("pomo_mtl", True)):
     cfg = t.tiny_policy(model)
-    policy = Policy(cfg)
+    policy = Policy(cfg, t.CPU)
     params = training.init_params(cfg, jax.random.key(1))
     whole, chunked, _ = t.whole_and_chunked(policy, params, t.mixed_batch(), jax.random.key(3), chunk=2, mesh=mesh,
                                             record_decoder=record)

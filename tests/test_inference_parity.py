@@ -1,4 +1,5 @@
-"""evaluate.py's path reproduces the PyTorch reference's greedy results on the fixture checkpoints."""
+"""evaluate.py's path reproduces the PyTorch reference's greedy results on the fixture checkpoints, under the
+execution plans of every preset (mvmoe_jax/execution.py)."""
 
 import json
 import subprocess
@@ -25,13 +26,15 @@ def _flags(torch_fixtures, name, **kw):
 
 @pytest.fixture(scope="module")
 def evaluations(torch_fixtures):
-    """Run each fixture checkpoint over all 16 fixture datasets once (shared by the tests below)."""
+    """Run each fixture checkpoint over all 16 fixture datasets once per execution preset (shared by the tests
+    below)."""
     cache = {}
 
-    def get(name):
-        if name not in cache:
-            cache[name] = cli.run_evaluation(CONFIGS[name].get_config(), _flags(torch_fixtures, name))
-        return cache[name]
+    def get(name, preset="cpu"):
+        if (name, preset) not in cache:
+            cache[name, preset] = cli.run_evaluation(CONFIGS[name].get_config(),
+                                                     _flags(torch_fixtures, name, execution=preset))
+        return cache[name, preset]
 
     return get
 
@@ -50,28 +53,24 @@ def _assert_per_instance_parity(ours, torch_fixtures, name, label):
         assert ours[variant]["gap"] is None            # the fixture datasets have no reference solutions
 
 
+@pytest.mark.parametrize("preset", ["cpu", "reference", "gpu"])
 @pytest.mark.parametrize("name", ["mtl", "moe"])
-def test_per_instance_parity(torch_fixtures, evaluations, name):
-    _assert_per_instance_parity(evaluations(name), torch_fixtures, name, name)
+def test_per_instance_parity(torch_fixtures, evaluations, name, preset):
+    _assert_per_instance_parity(evaluations(name, preset), torch_fixtures, name, f"{name} ({preset} plan)")
 
 
-def test_per_instance_parity_with_score_bounds(torch_fixtures, monkeypatch):
-    """The same with every decoding step's softmax offset by the query fusion's score bounds
-    (``policy.SCORE_BOUNDS``; by default only chunks of one instance on a CPU use them, and these hold 100)."""
-    from mvmoe_jax import rollout
-    from mvmoe_jax.nn import policy
-    monkeypatch.setattr(policy, "SCORE_BOUNDS", True)
-    rollout._greedy_evaluate.clear_cache()                 # traced without the bounds by the tests above
-    try:
-        ours = cli.run_evaluation(CONFIGS["moe"].get_config(), _flags(torch_fixtures, "moe"))
-    finally:
-        rollout._greedy_evaluate.clear_cache()
+def test_per_instance_parity_with_score_bounds(torch_fixtures):
+    """The same with every decoding step's softmax offset by the query fusion's score bounds (the cpu plan
+    uses them for chunks of one instance only, and these hold 100)."""
+    flags = _flags(torch_fixtures, "moe", execution="cpu", execution_overrides="score_bound_instances=1000")
+    ours = cli.run_evaluation(CONFIGS["moe"].get_config(), flags)
     _assert_per_instance_parity(ours, torch_fixtures, "moe", "moe with the score bounds")
 
 
-def test_light_model_means(torch_fixtures, evaluations):
+@pytest.mark.parametrize("preset", ["cpu", "reference"])
+def test_light_model_means(torch_fixtures, evaluations, preset):
     """MVMoE-L samples its dense-or-sparse gate at every step, in evaluation too: compare means."""
-    ours = evaluations("moe_light")
+    ours = evaluations("moe_light", preset)
     ref = json.loads((torch_fixtures / "results" / "moe_light.json").read_text())
     for variant in problems.VARIANT_NAMES:
         for key, ref_key in (("obj", "aug"), ("obj_no_aug", "no_aug")):

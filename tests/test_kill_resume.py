@@ -16,7 +16,7 @@ from test_train_cli import TINY_FLAGS
 
 RUN_FLAGS = ["--config.epochs=4", "--config.train_episodes=16", "--config.batch_size=8",
              "--config.validation_instances=8", "--config.validation_batch_size=8", "--config.validate_every_epochs=2",
-             "--config.progress_bar=False", "--config.cpu_devices=1", *TINY_FLAGS]
+             "--config.progress_bar=False", "--config.execution.cpu_devices=1", *TINY_FLAGS]
 
 
 def _command(workdir):

@@ -1,5 +1,8 @@
 """Tests of mvmoe_jax.nn.moe against hand computations and numpy re-computations of the reference
-(RoyalSkye/Routing-MVMoE models/MOELayer.py) semantics."""
+(RoyalSkye/Routing-MVMoE models/MOELayer.py) semantics, and of its faster executions against the dense one:
+the MoE layer attributes that the execution plan's MoE fields set (``moe_dispatch``, ``grouped_min_assignments``,
+``grouped_by_expert``, ``moe_sort_groups``, ``grouped_blocks_as_one_product``, ``gates_by_rank``; engines in
+mvmoe_jax/engines/grouped_experts.py and gates_by_rank.py), and the presets' values of those fields."""
 
 from __future__ import annotations
 
@@ -11,7 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mvmoe_jax import execution
+from mvmoe_jax.engines import grouped_experts as G
+from mvmoe_jax.engines.gates_by_rank import gates_by_rank
 from mvmoe_jax.nn import moe as M
+from mvmoe_jax.nn.policy import moe_execution
 
 EPS64 = float(np.finfo(np.float64).eps)
 
@@ -148,21 +155,36 @@ def test_gates_by_rank_equal_the_top_k_gates(num_experts, k, temperature):
     x = x.at[:60].set(jnp.round(x[:60]) + 0.0)         # many exact ties
     x = x.at[60].set(0.0)                              # a row of equal values
     want = np.asarray(jax.jit(lambda x: M.top_k_gates(x, k, temperature)[0])(x))
-    got = np.asarray(jax.jit(lambda x: M.gates_by_rank(x, k, temperature))(x))
+    got = np.asarray(jax.jit(lambda x: gates_by_rank(x, k, temperature))(x))
     np.testing.assert_array_equal(got > 0, want > 0)
     assert ((got > 0).sum(-1) == k).all()
     np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
     np.testing.assert_array_equal(np.asarray(M.top_k_gates(x, k, temperature, by_rank=True)[0]), got)
 
 
-def test_gates_by_rank_refuse_more_than_two_experts_and_are_the_cpus_choice_outside_training(monkeypatch):
+def test_gates_by_rank_refuse_more_than_two_experts_and_are_the_cpus_choice_outside_training():
+    """The engine refuses k > 2; the CPU preset asks for it (``gates_by_rank``), the others do not; a layer
+    given it computes its gates by rank outside training mode only, and for k <= 2 only (top-3 runs the
+    one-hot product instead of refusing)."""
     with pytest.raises(ValueError, match="top-1 and top-2"):
-        M.gates_by_rank(jnp.zeros((2, 4)), 3)
-    monkeypatch.setattr(M, "GATES_BY_RANK", None)
-    assert M.uses_gates_by_rank(2, train=False) == (jax.default_backend() == "cpu")
-    assert not M.uses_gates_by_rank(2, train=True) and not M.uses_gates_by_rank(3, train=False)
-    monkeypatch.setattr(M, "GATES_BY_RANK", True)
-    assert M.uses_gates_by_rank(1, train=True) and not M.uses_gates_by_rank(3, train=False)
+        gates_by_rank(jnp.zeros((2, 4)), 3)
+    assert execution.cpu().gates_by_rank
+    assert not execution.gpu().gates_by_rank and not execution.reference().gates_by_rank
+    x = rand_x((3, 4, 8), seed=22)
+    kwargs = dict(output_dim=5, expert_type="linear")
+    params = init_moe(M.MoE(**kwargs), x, gate_scale=1.0)
+
+    def program(by_rank, train, k=2):
+        layer = M.MoE(**kwargs, k=k, gates_by_rank=by_rank)
+        return str(jax.make_jaxpr(lambda p: layer.apply({"params": p}, x, train=train, gates_only=True,
+                                                        rngs={"gating": jax.random.key(0)}))(params))
+
+    assert program(True, False) != program(False, False)
+    assert program(True, True) == program(False, True)
+    assert program(True, False, k=3) == program(False, False, k=3)
+    by_rank, one_hot = (np.asarray(M.MoE(**kwargs, gates_by_rank=b).apply({"params": params}, x, train=False,
+                                                                          gates_only=True)[0]) for b in (True, False))
+    np.testing.assert_allclose(by_rank, one_hot, rtol=3e-7, atol=0)
 
 
 @pytest.mark.parametrize("num_experts,m", [(4, 3), (4, 2), (8, 3), (3, 3)])
@@ -402,9 +424,9 @@ def test_ranks_within_groups_are_a_stable_sorts_places(num):
     """The grouped execution's slots: each element's place within its key's group under a stable sort by key,
     and the group sizes, for lengths inside one tile, at a tile's edge and over many tiles."""
     keys = np.asarray(jax.random.randint(jax.random.key(num), (num,), 0, 5))
-    rank, counts = M.ranks_within_groups(jnp.asarray(keys), 5)
-    with M.blocks_as_one_product():                       # the FLOP count's sorted form: the same ranks
-        rank_sorted, counts_sorted = M.ranks_within_groups(jnp.asarray(keys), 5)
+    rank, counts = G.ranks_within_groups(jnp.asarray(keys), 5)
+    # The FLOP count's sorted form (``blocks_as_one_product``): the same ranks.
+    rank_sorted, counts_sorted = G.ranks_within_groups(jnp.asarray(keys), 5, by_sort=True)
     np.testing.assert_array_equal(np.asarray(rank_sorted), np.asarray(rank))
     np.testing.assert_array_equal(np.asarray(counts_sorted), np.asarray(counts))
     order = np.argsort(keys, kind="stable")
@@ -438,18 +460,17 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
         return jnp.einsum("ue,euo->uo", gates, out)[:, None]
 
     def grouped(p, x, w=weights):
-        return M.grouped_experts_forward(p, x, index, w, active, block=32)
+        return G.grouped_experts_forward(p, x, index, w, active, block=32)
 
     def grouped_by_expert(p, x, w=weights):
-        return M.grouped_experts_forward(p, x, index, w, active, block=32, by_expert=True)
+        return G.grouped_experts_forward(p, x, index, w, active, block=32, by_expert=True)
 
     def side_by_side(p, x, w=weights):
         gates = jnp.einsum("uk,uke->ue", jnp.where(active, w, 0.0), jax.nn.one_hot(index, 4))
         return M.gated_experts_forward(p, x[:, 0], gates)[:, None]
 
-    def grouped_in_three_sorts(p, x, w=weights):
-        with M.sort_groups(3):                  # traced (under jit) inside the context: 3 sorts of 100 units
-            return grouped(p, x, w)
+    def grouped_in_three_sorts(p, x, w=weights):          # 3 sorts of 100 units
+        return G.grouped_experts_forward(p, x, index, w, active, block=32, sort_groups=3)
 
     # An independent float64 recomputation: sum over experts of gate * expert(x).
     gates64 = np.einsum("uk,uke->ue", np.where(active, weights, 0.0), np.eye(4)[np.asarray(index)])
@@ -457,15 +478,15 @@ def test_grouped_and_side_by_side_executions_values_and_gradients(expert_type):
                                                            np.asarray(units[:, 0], np.float64)))[:, None]
     # jit: one compilation each, against hundreds of op-by-op ones for the eager gradients. The gradient
     # in the gates too (what the gating learns from), zero for inactive assignments.
-    def gradient(execution):
-        return jax.jit(jax.grad(lambda p, x, w: jnp.sum(jnp.sin(execution(p, x, w))), argnums=(0, 1, 2)))(
+    def gradient(forward):
+        return jax.jit(jax.grad(lambda p, x, w: jnp.sum(jnp.sin(forward(p, x, w))), argnums=(0, 1, 2)))(
             params, units, weights)
 
     g_dense = gradient(dense)
     assert not np.asarray(g_dense[2])[~np.asarray(active)].any() and np.abs(g_dense[2]).max() > 0
-    for execution in (grouped, grouped_by_expert, side_by_side, grouped_in_three_sorts):
-        np.testing.assert_allclose(jax.jit(execution)(params, units), expected, rtol=1e-5, atol=1e-5)
-        g = gradient(execution)
+    for forward in (grouped, grouped_by_expert, side_by_side, grouped_in_three_sorts):
+        np.testing.assert_allclose(jax.jit(forward)(params, units), expected, rtol=1e-5, atol=1e-5)
+        g = gradient(forward)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_dense)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
@@ -484,8 +505,8 @@ def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients
     block_end = jnp.asarray([2, 5, 5, 7], jnp.int32)
     block_expert = jnp.asarray([0, 0, 1, 1, 1, 3, 3, 3, 3], jnp.int32)
     x = jnp.asarray(rng.standard_normal((9, 16, 8)), jnp.float32)
-    looped = jax.jit(M.mlp_expert_blocks)(*params, x, block_expert)
-    by_expert = jax.jit(M.mlp_expert_blocks_by_expert)(*params, x, block_expert, block_end)
+    looped = jax.jit(G.mlp_expert_blocks)(*params, x, block_expert)
+    by_expert = jax.jit(G.mlp_expert_blocks_by_expert)(*params, x, block_expert, block_end)
     np.testing.assert_array_equal(np.asarray(by_expert[:7]), np.asarray(looped[:7]))
     past_the_end = np.asarray(x[7:]) if out_dim == 8 else np.zeros_like(np.asarray(looped[7:]))
     np.testing.assert_array_equal(np.asarray(by_expert[7:]), past_the_end)
@@ -497,8 +518,8 @@ def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients
     def loss(blocks_fn, *extra):
         return lambda p, xs: jnp.sum(jnp.tanh(blocks_fn(*p, xs, block_expert, *extra)) * probe)
 
-    g_looped = jax.jit(jax.grad(loss(M.mlp_expert_blocks), argnums=(0, 1)))(params, x)
-    g_by_expert = jax.jit(jax.grad(loss(M.mlp_expert_blocks_by_expert, block_end), argnums=(0, 1)))(params, x)
+    g_looped = jax.jit(jax.grad(loss(G.mlp_expert_blocks), argnums=(0, 1)))(params, x)
+    g_by_expert = jax.jit(jax.grad(loss(G.mlp_expert_blocks_by_expert, block_end), argnums=(0, 1)))(params, x)
     for a, b in zip(jax.tree.leaves(g_by_expert), jax.tree.leaves(g_looped)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
@@ -513,10 +534,10 @@ def test_expert_by_expert_blocks_equal_the_block_by_block_loop_and_its_gradients
             return jnp.sum(jnp.tanh(out) * probe)
         return total
 
-    value, grad = jax.jit(jax.value_and_grad(mapped_loss(M.mlp_expert_blocks_by_expert, block_end)))(params)
-    np.testing.assert_allclose(value, jax.jit(mapped_loss(M.mlp_expert_blocks_by_expert, block_end))(params),
+    value, grad = jax.jit(jax.value_and_grad(mapped_loss(G.mlp_expert_blocks_by_expert, block_end)))(params)
+    np.testing.assert_allclose(value, jax.jit(mapped_loss(G.mlp_expert_blocks_by_expert, block_end))(params),
                                rtol=1e-5)
-    value_looped, grad_looped = jax.jit(jax.value_and_grad(mapped_loss(M.mlp_expert_blocks)))(params)
+    value_looped, grad_looped = jax.jit(jax.value_and_grad(mapped_loss(G.mlp_expert_blocks)))(params)
     np.testing.assert_allclose(value, value_looped, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(grad_looped)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -539,36 +560,41 @@ def test_combine_assignments_sums_each_units_weighted_active_slots():
         for j in range(3):
             if active[u, j]:
                 expected[u] += weights[u, j] * out[position[u, j]].astype(np.float64)
-    got = np.asarray(jax.jit(M.combine_assignments)(out, position, weights, active))
+    got = np.asarray(jax.jit(G.combine_assignments)(out, position, weights, active))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     assert not got[0].any()
 
 
-def test_moe_layer_runs_its_experts_expert_by_expert_outside_training_only(monkeypatch):
-    """Outside training mode the grouped MoE layer takes the expert-by-expert loops (its program has no
-    block-by-block map), in training mode the block loop; both give the dense layer's outputs."""
+def test_moe_layer_runs_its_experts_expert_by_expert_outside_training_only():
+    """Outside training mode the grouped MoE layer given ``grouped_by_expert`` takes the expert-by-expert loops
+    (its program has no block-by-block map), in training mode the block loop; both give the dense layer's
+    outputs. The CPU preset asks for it, the others do not."""
+    assert execution.cpu().grouped_by_expert
+    assert not execution.gpu().grouped_by_expert and not execution.reference().grouped_by_expert
     x = rand_x((1200, 8), seed=41)
-    layers = {d: M.MoE(output_dim=5, hidden_dim=12, dispatch=d) for d in ("grouped", "dense")}
-    params = init_moe(layers["dense"], x, seed=3, gate_scale=1.0)
+    layers = {by_expert: M.MoE(output_dim=5, hidden_dim=12, dispatch="grouped", grouped_by_expert=by_expert)
+              for by_expert in (True, False)}
+    dense = M.MoE(output_dim=5, hidden_dim=12, dispatch="dense")
+    params = init_moe(dense, x, seed=3, gate_scale=1.0)
 
-    def calls(train, by_expert_setting):
-        monkeypatch.setattr(M, "BY_EXPERT_OUTSIDE_TRAINING", by_expert_setting)
-        jaxpr = jax.make_jaxpr(lambda p: layers["grouped"].apply({"params": p}, x, train,
-                                                                  rngs={"gating": jax.random.key(0)}))(params)
+    def calls(train, by_expert):
+        layer = layers[by_expert]
+        jaxpr = jax.make_jaxpr(lambda p: layer.apply({"params": p}, x, train,
+                                                     rngs={"gating": jax.random.key(0)}))(params)
         return str(jaxpr).count("while[")
 
     # Expert by expert: a scan over the experts around a loop over each one's blocks; block by block: one scan.
     assert calls(False, True) == 1 and calls(False, False) == 0
     assert calls(True, True) == 0
-    y, _ = jax.jit(lambda p: layers["grouped"].apply({"params": p}, x, False))(params)
-    y_dense, _ = jax.jit(lambda p: layers["dense"].apply({"params": p}, x, False))(params)
+    y, _ = jax.jit(lambda p: layers[True].apply({"params": p}, x, False))(params)
+    y_dense, _ = jax.jit(lambda p: dense.apply({"params": p}, x, False))(params)
     np.testing.assert_allclose(y, y_dense, rtol=1e-5, atol=1e-6)
 
 
 def test_blocks_as_one_product_counts_every_block_for_the_same_result():
     """XLA's cost analysis counts a loop body once: the grouped blocks' loop shows about one block's
-    products; traced as one product (``blocks_as_one_product``) it shows every block's, and the result is
-    the loop's."""
+    products; traced as one product (``blocks_as_one_product``, plan field ``grouped_blocks_as_one_product``) it
+    shows every block's, and the result is the loop's."""
     rng = np.random.default_rng(7)
     d, h, o, e, block = 32, 64, 32, 4, 32
     params = {"w1": jnp.asarray(rng.standard_normal((e, d, h)), jnp.float32),
@@ -580,16 +606,16 @@ def test_blocks_as_one_product_counts_every_block_for_the_same_result():
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (200, 2)), jnp.float32)
     active = jnp.ones((200, 2), bool)
 
-    def grouped(p, x):
-        return M.grouped_experts_forward(p, x, index, weights, active, block=block)
+    def grouped(p, x, as_one_product=False):
+        return G.grouped_experts_forward(p, x, index, weights, active, block=block,
+                                         blocks_as_one_product=as_one_product)
 
     def flops(compiled):
         cost = compiled.cost_analysis()
         return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
     looped = jax.jit(grouped).lower(params, units).compile()
-    with M.blocks_as_one_product():      # a function of its own: jit's cache would return the looped trace
-        counted = jax.jit(lambda p, x: grouped(p, x)).lower(params, units).compile()
+    counted = jax.jit(lambda p, x: grouped(p, x, as_one_product=True)).lower(params, units).compile()
     num_blocks = -(-(200 * 2 + e * (block - 1)) // block)          # grouped_experts_forward's static count
     block_products = 2 * block * (d * h + h * o)
     assert flops(counted) >= num_blocks * block_products
@@ -597,53 +623,61 @@ def test_blocks_as_one_product_counts_every_block_for_the_same_result():
     np.testing.assert_allclose(counted(params, units), looped(params, units), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_dispatch_groups_mlp_experts_on_cpu_only():
-    """``auto`` runs only the chosen experts (grouped) where that was measured faster: MLP experts on a CPU,
-    in evaluation and training, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort group on; dense
-    everywhere else. Explicit strategies pass through."""
-    on_cpu = jax.default_backend() == "cpu"
-    big = M.AUTO_GROUPED_MIN_ASSIGNMENTS
-    resolve = functools.partial(M.resolve_dispatch, "auto")
-    grouped_on_cpu = "grouped" if on_cpu else "dense"
-    assert resolve(expert_type="mlp", num_assignments=big) == grouped_on_cpu
+CPU_MIN_ASSIGNMENTS = execution.cpu().grouped_min_assignments
+
+
+def test_grouped_mlp_dispatch_groups_mlp_experts_in_the_cpu_preset_only():
+    """The CPU preset runs only the chosen experts (``grouped_mlp``) where that was measured faster: MLP
+    experts, in evaluation and training, from its ``grouped_min_assignments`` (256) assignments per sort group
+    on; dense everywhere else, and in the other presets. Other strategies pass through (``grouped`` too is
+    dense below the minimum)."""
+    cpu, gpu, reference = execution.cpu(), execution.gpu(), execution.reference()
+    assert (cpu.moe_dispatch, cpu.grouped_min_assignments) == ("grouped_mlp", 256)
+    assert gpu.moe_dispatch == reference.moe_dispatch == "dense"
+    big = CPU_MIN_ASSIGNMENTS
+    resolve = functools.partial(M.resolve_dispatch, "grouped_mlp", min_assignments=big)
+    assert resolve(expert_type="mlp", num_assignments=big) == "grouped"
     assert resolve(expert_type="mlp", num_assignments=big - 1) == "dense"
     assert resolve(expert_type="linear", num_assignments=big) == "dense"
-    with M.sort_groups(2):                   # the threshold counts the assignments of one sort
-        assert resolve(expert_type="mlp", num_assignments=big) == "dense"
-        assert resolve(expert_type="mlp", num_assignments=2 * big) == grouped_on_cpu
-    with pytest.raises(ValueError, match="positive number of groups"):
-        with M.sort_groups(0):
-            pass
+    # The threshold counts the assignments of one sort.
+    assert resolve(expert_type="mlp", num_assignments=big, sort_groups=2) == "dense"
+    assert resolve(expert_type="mlp", num_assignments=2 * big, sort_groups=2) == "grouped"
+    with pytest.raises(ValueError, match="moe_sort_groups"):
+        cpu.replace(moe_sort_groups=0)
     for explicit in M.DISPATCHES:
-        assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1) == explicit
-    assert M.group_block(M.GROUP_BLOCK_SMALL_BELOW - 1) == M.GROUP_BLOCK_SMALL
-    assert M.group_block(M.GROUP_BLOCK_SMALL_BELOW) == M.GROUP_BLOCK
-    assert M.group_block(M.GROUP_BLOCK_LARGE_FROM - 1) == M.GROUP_BLOCK
-    assert M.group_block(M.GROUP_BLOCK_LARGE_FROM) == M.GROUP_BLOCK_LARGE
+        if explicit != "grouped_mlp":
+            assert M.resolve_dispatch(explicit, expert_type="mlp", num_assignments=1) == explicit
+    assert M.resolve_dispatch("grouped", expert_type="linear", num_assignments=big, min_assignments=big) == "grouped"
+    assert M.resolve_dispatch("grouped", expert_type="mlp", num_assignments=1, min_assignments=big) == "dense"
+    assert G.group_block(G.GROUP_BLOCK_SMALL_BELOW - 1) == G.GROUP_BLOCK_SMALL
+    assert G.group_block(G.GROUP_BLOCK_SMALL_BELOW) == G.GROUP_BLOCK
+    assert G.group_block(G.GROUP_BLOCK_LARGE_FROM - 1) == G.GROUP_BLOCK
+    assert G.group_block(G.GROUP_BLOCK_LARGE_FROM) == G.GROUP_BLOCK_LARGE
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="auto groups the experts on a CPU only")
-@pytest.mark.parametrize("tokens, block", [(M.AUTO_GROUPED_MIN_ASSIGNMENTS // 2 + 50, M.GROUP_BLOCK_SMALL),
-                                           (M.GROUP_BLOCK_LARGE_FROM // 2 + 50, M.GROUP_BLOCK_LARGE)],
+@pytest.mark.parametrize("tokens, block", [(CPU_MIN_ASSIGNMENTS // 2 + 50, G.GROUP_BLOCK_SMALL),
+                                           (G.GROUP_BLOCK_LARGE_FROM // 2 + 50, G.GROUP_BLOCK_LARGE)],
                          ids=["small-blocks", "large-blocks"])
-def test_auto_dispatch_gives_the_dense_result_with_the_grouped_execution(tokens, block):
-    """Layers large enough for ``auto`` to group, in the small blocks and in the large ones: the same
-    outputs as dense, and the grouped program is what runs (its blocks are a loop; dense has none)."""
-    assert M.group_block(2 * tokens) == block                # top-2: two assignments per token
+def test_cpu_preset_dispatch_gives_the_dense_result_with_the_grouped_execution(tokens, block):
+    """Layers large enough for the CPU preset's MoE attributes (``policy.moe_execution``) to group, in the
+    small blocks and in the large ones: the same outputs as dense, and the grouped program is what runs
+    (its blocks are a loop; dense has none)."""
+    assert G.group_block(2 * tokens) == block                # top-2: two assignments per token
     x = rand_x((tokens, 8), seed=31)
-    layers = {d: M.MoE(output_dim=5, hidden_dim=12, dispatch=d) for d in ("auto", "dense")}
+    layers = {"cpu": M.MoE(output_dim=5, hidden_dim=12, **moe_execution(execution.cpu())),
+              "dense": M.MoE(output_dim=5, hidden_dim=12, dispatch="dense")}
     params = init_moe(layers["dense"], x, seed=3, gate_scale=1.0)
-    y_auto, aux_auto = jax.jit(lambda p: layers["auto"].apply({"params": p}, x, False))(params)
+    y_cpu, aux_cpu = jax.jit(lambda p: layers["cpu"].apply({"params": p}, x, False))(params)
     y_dense, aux_dense = jax.jit(lambda p: layers["dense"].apply({"params": p}, x, False))(params)
-    np.testing.assert_allclose(y_auto, y_dense, rtol=1e-5, atol=1e-6)
-    assert float(aux_auto) == pytest.approx(float(aux_dense), rel=1e-6)
+    np.testing.assert_allclose(y_cpu, y_dense, rtol=1e-5, atol=1e-6)
+    assert float(aux_cpu) == pytest.approx(float(aux_dense), rel=1e-6)
 
     def has_loop(layer, train):
         jaxpr = jax.make_jaxpr(lambda p: layer.apply({"params": p}, x, train, rngs={"gating": jax.random.key(0)}))
         return "scan" in str(jaxpr(params))
 
-    assert has_loop(layers["auto"], False) and not has_loop(layers["dense"], False)
-    assert has_loop(layers["auto"], True)              # training groups too
+    assert has_loop(layers["cpu"], False) and not has_loop(layers["dense"], False)
+    assert has_loop(layers["cpu"], True)              # training groups too
 
 
 def test_gates_only_returns_the_gate_matrix_the_layer_mixes_with():

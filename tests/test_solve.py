@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import vrplib
 
-from mvmoe_jax import checker, instances, rollout, shipped
+from mvmoe_jax import checker, execution, instances, rollout, shipped
 from mvmoe_jax.io import read_vrplib, save_npz
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.solve import api, inputs, models, search
@@ -38,7 +38,8 @@ OK_DEMAND = [0, 3, 4, 2]
 
 @pytest.fixture(scope="module")
 def small_params():
-    return jax.jit(Policy(SMALL).init)({"params": jax.random.key(1), "gating": jax.random.key(2)}, generated("CVRP", 1))
+    return jax.jit(Policy(SMALL, execution.reference()).init)({"params": jax.random.key(1), "gating": jax.random.key(2)},
+                                                               generated("CVRP", 1))
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def test_train_py_end_to_end(tmp_path):
                      "--config.validation_batch_size=8", "--config.progress_bar=False", *TINY_FLAGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 1/1" in proc.stdout and "validation:" in proc.stdout
-    # train.py runs a CPU's cores as devices (config.cpu_devices = 0): on the 2-core CI machine the
+    # train.py runs a CPU's cores as devices (the cpu plan's cpu_devices = 0): on the 2-core CI machine the
     # checkpoint below is written by a 2-device run and restored in this 1-device process.
     from mvmoe_jax import devices
     assert f"with {devices.largest_divisor_at_most(devices.usable_cores(), 8)} device(s)" in proc.stdout

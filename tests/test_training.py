@@ -18,9 +18,12 @@ import pytest
 from conftest import REPO_ROOT
 from configs import demo
 from configs.common import model_config
-from mvmoe_jax import checkpoints, instances, rollout, training, training_loop, training_validation
-from mvmoe_jax.nn import attention
+from mvmoe_jax import checkpoints, execution, instances, rollout, training, training_loop, training_validation
+from mvmoe_jax.engines import attention as attention_engines
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
+
+# The CPU preset: the fast paths whose gradients these tests compare with the replay's.
+CPU = execution.cpu()
 
 N = 20
 TINY = dict(embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=("Enc0", "Dec"))
@@ -67,7 +70,7 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     the same log-likelihood and aux loss, also over steps past the end of the batch (which must
     contribute nothing) and with a partial last chunk."""
     cfg = tiny_policy(model)
-    policy = Policy(cfg)
+    policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
     ref = jax.jit(lambda p, i, r: rollout.rollout(policy, p, i, pomo_size=N, decode_type="sampling", rng=r,
@@ -101,7 +104,7 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
     decoder record instead of computing them (``reuses_sampling_pass``): a record off by a step, or a
     backward pass that dropped a product's cotangent, would fail here."""
     cfg = tiny_policy(model)
-    policy = Policy(cfg)
+    policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
     traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
@@ -136,13 +139,13 @@ def test_decoder_record_size_and_when_it_is_kept():
     only for MVMoE/4E; ``always`` and ``never`` decide, and without the readout fusion there is nothing to
     reuse."""
     cfg = tiny_policy("mvmoe_light")
-    policy = Policy(cfg)
+    policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
                                                                 record_decoder=True))(params, mixed_batch(), jax.random.key(3))
     recorded = sum(x.nbytes for x in jax.tree.leaves(traj.decoder))
-    assert recorded == training.decoder_record_bytes(cfg, 8 * N, N + 1, 40)
-    weights = attention.kept_layout(traj.decoder.attention_weights)
+    assert recorded == training.decoder_record_bytes(cfg, CPU, 8 * N, N + 1, 40)
+    weights = attention_engines.kept_layout(traj.decoder.attention_weights, CPU)
     assert weights.shape == (40, 8, cfg.num_heads, N, N + 1)
     # Unrun steps stay zero; run steps hold softmax weights (rows summing to one where a trajectory was active).
     t = int(traj.num_steps)
@@ -150,19 +153,19 @@ def test_decoder_record_size_and_when_it_is_kept():
     sums = np.asarray(weights[:t].sum(-1))
     np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
 
-    def reuses(mode, platform="cpu", trajectories=8 * N, model_cfg=tiny_policy("mvmoe")):
-        settings = training.StepSettings(pomo_size=N, aux_loss_coef=1.0, reuse_sampling=mode)
-        return training.reuses_sampling_pass(settings, model_cfg, trajectories_per_device=trajectories,
-                                             num_nodes=N + 1, max_steps=40, platform=platform)
+    def reuses(mode, trajectories=8 * N, model_cfg=tiny_policy("mvmoe"), plan=CPU):
+        return training.reuses_sampling_pass(Policy(model_cfg, plan.replace(reuse_sampling=mode)),
+                                             trajectories_per_device=trajectories, num_nodes=N + 1, max_steps=40)
 
     over = training.DECODER_RECORD_BUDGET_BYTES // training.decoder_record_bytes(
-        tiny_policy("mvmoe"), 1, N + 1, 40) + 1
-    assert reuses("auto") and not reuses("auto", "gpu") and not reuses("auto", trajectories=over)
-    assert reuses("always", "gpu", over) and not reuses("never")
+        tiny_policy("mvmoe"), CPU, 1, N + 1, 40) + 1
+    assert reuses("auto") and not reuses("auto", trajectories=over)
+    assert reuses("always", over) and not reuses("never")
+    assert execution.gpu().reuse_sampling == "never" and execution.reference().reuse_sampling == "never"
     assert not reuses("auto", model_cfg=cfg) and reuses("always", model_cfg=cfg)
     assert not reuses("auto", model_cfg=tiny_policy("pomo_mtl")) and reuses("always", model_cfg=tiny_policy("pomo_mtl"))
-    unfused = dataclasses.replace(cfg, fused_readout=False)
-    assert not reuses("always", model_cfg=unfused)
+    unfused = CPU.replace(fused_readout=False)
+    assert not reuses("always", model_cfg=cfg, plan=unfused)
     # Storage for the record must fit it, and is only for a rollout that keeps one.
     wrong = jax.tree.map(lambda x: jnp.zeros((x.shape[0] - 1,) + x.shape[1:], x.dtype), traj.decoder)
     with pytest.raises(ValueError, match="decoder_buffers do not fit this rollout's record"):
@@ -172,8 +175,8 @@ def test_decoder_record_size_and_when_it_is_kept():
         rollout.rollout(policy, params, mixed_batch(), pomo_size=N, max_steps=40, record=True,
                         decoder_buffers=traj.decoder)
     with pytest.raises(ValueError, match="needs the readout fusion"):
-        Policy(unfused).apply(params, Policy(unfused).apply(params, jnp.zeros((1, N + 1, cfg.embedding_dim)),
-                                                            method=Policy.precompute),
+        Policy(cfg, unfused).apply(params, Policy(cfg, unfused).apply(params, jnp.zeros((1, N + 1, cfg.embedding_dim)),
+                                                                      method=Policy.precompute),
                               jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1, 4)), jnp.ones((1, 1, N + 1), bool),
                               None, False, True, True, method=Policy.decode)
 
@@ -184,12 +187,12 @@ def test_one_program_step_equals_sampling_then_update_and_bad_backward_is_reject
     decoding steps; an unknown backward or reuse_sampling setting is refused with the accepted values."""
     base = tiny_config(tmp_path)
     inst, rng = mixed_batch(), jax.random.key(5)
-    plan = training_loop.check_config(tiny_config(tmp_path, backward="stepwise"))
+    plan = training_loop.check_config(tiny_config(tmp_path))
     # Plain SGD: Adam would turn float noise in gradients that are zero in exact arithmetic (the biases
     # before an instance norm) into lr-sized steps, and the two programs round differently (each backward
     # pass takes the products its own sampling pass recorded).
-    settings = training.StepSettings(pomo_size=N, aux_loss_coef=10.0, backward="stepwise")
-    fns = training.StepFunctions(plan.policy, optax.sgd(1e-2), settings, num_customers=N,
+    settings = training.StepSettings(pomo_size=N, aux_loss_coef=10.0)
+    fns = training.StepFunctions(plan.policy, CPU, optax.sgd(1e-2), settings, num_customers=N,
                                  variants=("CVRP", "VRPB", "OVRPTW"), mixed=True, mesh=training.make_mesh())
     assert not fns.replays
     state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
@@ -218,16 +221,19 @@ def test_one_program_step_equals_sampling_then_update_and_bad_backward_is_reject
         np.testing.assert_array_equal(a, b)
     fns.release_buffers()
     assert fns._record_buffers is None
-    base.backward = "reverse"
-    with pytest.raises(ValueError, match="backward must be one of auto, stepwise, replay"):
+    base.execution.backward = "reverse"
+    with pytest.raises(ValueError, match=r"backward must be one of \('stepwise', 'replay'\), got 'reverse'"):
         training_loop.check_config(base)
     with pytest.raises(ValueError, match="backward must be one of"):
-        training.StepSettings(pomo_size=N, aux_loss_coef=1.0, backward="reverse")
-    base.backward, base.reuse_sampling = "auto", "sometimes"
-    with pytest.raises(ValueError, match="reuse_sampling must be one of auto, always, never, got 'sometimes'"):
+        CPU.replace(backward="reverse")
+    base.execution.backward, base.execution.reuse_sampling = None, "sometimes"
+    with pytest.raises(ValueError, match=r"reuse_sampling must be one of \('never', 'always', 'auto'\), got 'sometimes'"):
         training_loop.check_config(base)
     with pytest.raises(ValueError, match="reuse_sampling must be one of"):
-        training.StepSettings(pomo_size=N, aux_loss_coef=1.0, reuse_sampling="sometimes")
+        CPU.replace(reuse_sampling="sometimes")
+    base.execution.reuse_sampling, base.execution.preset = None, "fastest"
+    with pytest.raises(ValueError, match="unknown execution preset 'fastest'"):
+        training_loop.check_config(base)
 
 
 @pytest.mark.slow     # ~100 s on 2 cores; the gradients' equality stays in the default suite (MVMoE-L above)
@@ -237,7 +243,9 @@ def test_stepwise_and_replay_updates_agree(tmp_path):
     inst, rng = mixed_batch(), jax.random.key(5)
     results = {}
     for backward in ("stepwise", "replay"):
-        fns, plan = loop_functions(tiny_config(tmp_path, backward=backward))
+        config = tiny_config(tmp_path)
+        config.execution.backward = backward
+        fns, plan = loop_functions(config)
         assert fns.replays == (backward == "replay")
         state = fns.init_state(training.init_params(plan.policy, jax.random.key(1)))
         traj = fns.sample(state.params, inst, rng)
@@ -375,25 +383,26 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 
 SHARDED_SCRIPT = r"""
 import dataclasses, json, sys, jax, numpy as np, optax
-from mvmoe_jax import training, training_loop
-from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax import execution, training, training_loop
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
 base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
                     expert_loc=("Enc0", "Dec"))
 out = {"devices": len(jax.devices())}
-# The encoder's MoE layer as the default picks it at this size (dense) and grouped (on the mesh: one sort
-# per device's share of the batch, moe.sort_groups); and POMO-MTL, whose decoding steps run per device.
-# The grouped MVMoE-L and one POMO-MTL run take the backward's products from the sampling pass's record.
+# The encoder's MoE layer as the cpu plan runs it at this size (dense) and grouped (on the mesh: one sort
+# per device's share of the batch, the plan's moe_sort_groups); and POMO-MTL, whose decoding steps run per
+# device. The grouped MVMoE-L and one POMO-MTL run take the backward's products from the sampling pass's record.
 pomo = PolicyConfig(model="pomo_mtl", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32, expert_loc=())
-cases = {"sgd": (base, "auto"), "sgd_grouped": (dataclasses.replace(base, moe_dispatch="grouped"), "always"),
-         "sgd_pomo": (pomo, "auto"), "sgd_pomo_record": (pomo, "always")}
+cpu = execution.cpu()
+cases = {"sgd": (base, cpu), "sgd_grouped": (base, cpu.replace(moe_dispatch="grouped", reuse_sampling="always")),
+         "sgd_pomo": (pomo, cpu), "sgd_pomo_record": (pomo, cpu.replace(reuse_sampling="always"))}
 for opt_name in sys.argv[1].split(","):
-    cfg, reuse = cases[opt_name]
+    cfg, plan = cases[opt_name]
     opt = optax.sgd(1e-2)
     params = training.init_params(cfg, jax.random.key(0))
     res = {}
     for name, devs in (("one", jax.devices()[:1]), ("all", jax.devices())):
-        settings = training.StepSettings(pomo_size=20, aux_loss_coef=10.0, reuse_sampling=reuse)
-        fns = training.StepFunctions(cfg, opt, settings,
+        settings = training.StepSettings(pomo_size=20, aux_loss_coef=10.0)
+        fns = training.StepFunctions(cfg, plan, opt, settings,
                                      num_customers=20, variants=("CVRP", "VRPB", "OVRPTW"), mixed=True,
                                      mesh=training.make_mesh(devs), replay_bucket_size=40)
         state, m = fns.step(fns.init_state(params), jax.random.key(7), 8)
@@ -407,8 +416,8 @@ for opt_name in sys.argv[1].split(","):
         "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape),
         "per_device": [training.steps_run_per_device(cfg, training.make_mesh(d))
                        for d in (jax.devices()[:1], jax.devices())],
-        "record": training.records_decoder(fns.settings, cfg, fns.batch(jax.random.key(7), 8), fns.max_steps,
-                                           fns.mesh)}
+        "record": training.records_decoder(fns.policy, fns.settings, fns.batch(jax.random.key(7), 8),
+                                           fns.max_steps, fns.mesh)}
 try:
     fns.batch(jax.random.key(0), 7)
 except ValueError as e:

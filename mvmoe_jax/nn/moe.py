@@ -95,9 +95,11 @@ Reference behaviours reproduced
 
 Execution strategies (``dispatch``; input choice, random and expert choice)
 ---------------------------------------------------------------------------
-* ``'auto'`` (the policies' default): ``'grouped'`` for token choice's MLP experts on a CPU (evaluation
-  and training) from ``AUTO_GROUPED_MIN_ASSIGNMENTS`` (unit, expert) assignments per sort on, ``'dense'``
-  otherwise (``resolve_dispatch``).
+The policy sets the strategy from its execution plan (``mvmoe_jax.execution``): ``dense`` in the reference
+and GPU plans, ``grouped_mlp`` in the CPU plan.
+
+* ``'grouped_mlp'``: ``'grouped'`` for token choice's MLP experts from ``grouped_min_assignments`` (unit,
+  expert) assignments per sort group on, ``'dense'`` otherwise (``resolve_dispatch``).
 * ``'dense'`` (the layer's default): every expert runs on every unit and the outputs are mixed with the
   dense gate matrix. No token is ever dropped. As cheap as a no-drop sparse dispatch (capacity = units
   means E*units expert evaluations either way). For token choice the experts run side by side, weighted
@@ -109,10 +111,10 @@ Execution strategies (``dispatch``; input choice, random and expert choice)
   sorted by expert into blocks of ``group_block`` units, each block runs through its expert's weights
   (one block after another, the weights read in place; outside training mode expert by expert, each
   expert's weights handed to a loop over its blocks), and the weighted outputs are summed back per unit
-  (``grouped_experts_forward``). About k/E of the dense FLOPs plus under one block of padding per expert.
-  MLP experts have a written-out backward pass (``mlp_expert_blocks``); under ``sort_groups(G)`` (training
-  on G devices) the sort runs within G groups of consecutive units. Token choice only; elsewhere it behaves
-  as ``'sparse'``, and it ignores ``capacity_factor``.
+  (``engines.grouped_experts``). About k/E of the dense FLOPs plus under one block of padding per expert.
+  MLP experts have a written-out backward pass; with ``sort_groups=G`` (training on G devices) the sort runs
+  within G groups of consecutive units. Token choice only; elsewhere it behaves as ``'sparse'``, and it
+  ignores ``capacity_factor``.
 * ``'einsum'``: the same routing expressed with Mesh-TensorFlow/GShard one-hot ``dispatch`` (units, E, C)
   and weighted ``combine`` (units, E, C) tensors (see ``dispatch_combine_tensors``). O(units*E*C) memory:
   for small inputs and for checking ``'sparse'``.
@@ -144,17 +146,16 @@ to the ``'gating'`` stream (needed in evaluation too).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from functools import partial, reduce
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mvmoe_jax.engines import gates_by_rank as rank_gates
+from mvmoe_jax.engines import grouped_experts
 from mvmoe_jax.nn.layers import Dense, torch_uniform_init
 
 __all__ = [
@@ -176,7 +177,6 @@ __all__ = [
     "dispatch_combine_tensors",
     "experts_forward",
     "gated_experts_forward",
-    "grouped_experts_forward",
     "torch_to_flax_moe",
     "torch_to_flax_dense_or_moe",
 ]
@@ -195,96 +195,18 @@ FALLBACK_SEED = 0
 _EXPERT_TYPES = ("mlp", "linear")
 _ROUTINGS = ("input_choice", "expert_choice", "soft", "random")
 _LEVELS = ("node", "instance", "problem")
-DISPATCHES = ("dense", "sparse", "einsum", "grouped")
-# ``auto`` picks one of DISPATCHES per layer and input size (``resolve_dispatch``).
-AUTO_DISPATCH = "auto"
-# Units per block of the grouped execution: large enough for efficient matmuls on a CPU, small enough that
-# the padding (< one block per expert) stays a small fraction of the work: 32 below 1,024 assignments, where
-# the padding dominates, 128 up to 8,192 (above the encoder calls of rollout.CPU_ENCODER_TOKENS), 256 from
-# there (see docs/performance.md, "Grouped MoE experts").
-GROUP_BLOCK_SMALL = 32
-GROUP_BLOCK_SMALL_BELOW = 1024         # assignments (tokens x k)
-GROUP_BLOCK = 128
-GROUP_BLOCK_LARGE = 256
-GROUP_BLOCK_LARGE_FROM = 8192          # assignments (tokens x k)
-# From this many (unit, expert) assignments on, ``auto`` runs a CPU's MLP experts grouped. Below it the
-# padding blocks outweigh the saved work; above it the dense execution's (tokens, E x hidden) activations
-# push the rest of the encoder out of cache (see docs/performance.md, "Grouped MoE experts").
-AUTO_GROUPED_MIN_ASSIGNMENTS = 256
-# Whether the grouped MLP experts run expert by expert (``mlp_expert_blocks_by_expert``) outside training mode;
-# read at trace time (False: block by block everywhere, for comparisons). Training mode keeps the block-by-block
-# loop: on several devices it sorts per device (``sort_groups``), whose vmapped groups would run every loop to
-# the longest, and its sampling pass must compute what its backward pass recomputes.
-BY_EXPERT_OUTSIDE_TRAINING = True
-
-
-def group_block(num_assignments: int) -> int:
-    """Units per block of ``grouped_experts_forward`` for this many assignments (see GROUP_BLOCK)."""
-    if num_assignments < GROUP_BLOCK_SMALL_BELOW:
-        return GROUP_BLOCK_SMALL
-    return GROUP_BLOCK_LARGE if num_assignments >= GROUP_BLOCK_LARGE_FROM else GROUP_BLOCK
-
-
-# XLA's cost analysis counts a loop body once. FLOP accounting (benchmarks/throughput.py) traces the grouped
-# execution's blocks as one batched product instead, which it counts in full: the same products, gathering
-# each block's expert weights (slower to run, so only for counting).
-_BLOCKS_AS_ONE_PRODUCT = contextvars.ContextVar("blocks_as_one_product", default=False)
-
-
-@contextlib.contextmanager
-def blocks_as_one_product() -> Iterator[None]:
-    """Within this block, ``grouped_experts_forward`` traces its blocks as one batched product rather than a
-    loop, so that XLA's cost analysis of the compiled program counts every block (results are the same).
-    The setting is read when a function is traced and is not part of jit's cache key: jit functions of
-    their own within the block (a function traced before it is reused as traced)."""
-    token = _BLOCKS_AS_ONE_PRODUCT.set(True)
-    try:
-        yield
-    finally:
-        _BLOCKS_AS_ONE_PRODUCT.reset(token)
-
-
-# The grouped execution sorts a layer's (unit, expert) assignments by expert. Where the units are a batch
-# split over devices (training's data parallelism), a sort over all of them gathers every device's units
-# onto each; sorting within ``sort_groups`` equal groups of consecutive units (one per device) keeps each
-# sort, and the blocks after it, on the device that holds those units. Results do not depend on it.
-_SORT_GROUPS = contextvars.ContextVar("sort_groups", default=1)
-
-
-@contextlib.contextmanager
-def sort_groups(groups: int) -> Iterator[None]:
-    """Within this block, the grouped execution traced here sorts and runs its assignments in ``groups``
-    equal groups of consecutive units (when the units divide evenly; otherwise as one group). Read at trace
-    time, like ``blocks_as_one_product``."""
-    if groups < 1:
-        raise ValueError(f"sort_groups needs a positive number of groups, got {groups}")
-    token = _SORT_GROUPS.set(int(groups))
-    try:
-        yield
-    finally:
-        _SORT_GROUPS.reset(token)
-
-
-def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int) -> str:
-    """The execution strategy ``dispatch`` names for one call: itself, or for ``auto`` ``grouped`` where it
-    is faster (MLP experts on a CPU, from AUTO_GROUPED_MIN_ASSIGNMENTS assignments per sort group), else
-    ``dense``. Accelerators keep ``dense``: a few large matmuls, where the grouped blocks run one after
-    another. Training groups too: the blocks' backward is written out (``mlp_expert_blocks``) and the sort
-    stays on each device (``sort_groups``); without them autodiff's backward through the blocks made the
-    step slower (see docs/performance.md, "Grouped MoE experts"). Resolved at trace time (shapes and the
-    backend are static; training and evaluation choose alike)."""
-    if dispatch != AUTO_DISPATCH:
-        return dispatch
-    if (expert_type == "mlp" and jax.default_backend() == "cpu"
-            and assignments_per_sort_group(num_assignments) >= AUTO_GROUPED_MIN_ASSIGNMENTS):
-        return "grouped"
-    return "dense"
-
-
-def assignments_per_sort_group(num_assignments: int) -> int:
-    """The (unit, expert) assignments each sort of the grouped execution handles under ``sort_groups``."""
-    return num_assignments // _SORT_GROUPS.get()
-
+DISPATCHES = ("dense", "grouped_mlp", "grouped", "sparse", "einsum")
+def resolve_dispatch(dispatch: str, *, expert_type: str, num_assignments: int, min_assignments: int = 0,
+                     sort_groups: int = 1) -> str:
+    """The execution strategy of one token-choice call: ``dispatch``, except that ``grouped_mlp`` means
+    ``grouped`` for MLP experts and ``dense`` for linear ones, and that a grouped call with fewer than
+    ``min_assignments`` (unit, expert) assignments per sort group runs ``dense`` (there the padding blocks
+    outweigh the saved work). Resolved at trace time: shapes are static."""
+    if dispatch == "grouped_mlp":
+        dispatch = "grouped" if expert_type == "mlp" else "dense"
+    if dispatch == "grouped" and num_assignments // sort_groups < min_assignments:
+        return "dense"
+    return dispatch
 
 # --------------------------------------------------------------------------------------------------
 # Initialisers (torch defaults, so that freshly initialised models behave like the reference's)
@@ -345,46 +267,6 @@ def small_top_k(x: Array, m: int) -> tuple[Array, Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
-# Whether gating outside training computes its dense gates by ``gates_by_rank``: True, False, or None for
-# ``uses_gates_by_rank``'s choice. Read at trace time.
-GATES_BY_RANK: bool | None = None
-
-
-def uses_gates_by_rank(k: int, train: bool) -> bool:
-    """Whether top-``k`` gating computes its dense (U, E) gates by ``gates_by_rank`` (``GATES_BY_RANK``
-    overrides, for k <= 2): on a CPU, outside training, for k <= 2. Only callers that read the dense gates pay
-    for either form (MVMoE's decoder, whose readout mixes its maps by them); the grouped execution reads the
-    chosen indices. Faster in MVMoE's decoding steps on a CPU (see docs/performance.md, "Gates by rank").
-    Training keeps the one-hot product, whose backward pass was measured with it; accelerators keep it too."""
-    if k > 2:
-        return False
-    if GATES_BY_RANK is not None:
-        return GATES_BY_RANK
-    return jax.default_backend() == "cpu" and not train
-
-
-def gates_by_rank(logits: Array, k: int, temperature: float = 1.0) -> Array:
-    """``top_k_gates``'s dense gates (U, E) for k <= 2, elementwise over the E logit columns: expert e is chosen
-    when fewer than k others rank above it (a larger logit, or an equal one at a lower index: ``small_top_k``'s
-    order), and its gate is ``exp(x_e - max x) / sum over the chosen``, x = logits / temperature, as the softmax
-    over the top k computes it (its division too, as a product with the reciprocal of the sum).
-
-    Why: the top-k passes, their gathers, the softmax and the one-hot product are ~10 small operations per
-    decoding step; these are elementwise, and XLA:CPU runs them as 5 small loops a step in MVMoE/4E's decoder.
-    The gates agree with ``top_k_gates``'s to the last bit of the exponential (XLA's and YNNPACK's differ by an
-    ulp, and which one runs depends on the fusion). With k > 2 the sum's order would depend on the ranks: not offered."""
-    if k > 2:
-        raise ValueError(f"gates_by_rank handles top-1 and top-2 gating, got k = {k}")
-    cols = [logits[:, j] for j in range(logits.shape[-1])]
-    chosen = [sum(((other >= col) if j < i else (other > col)).astype(jnp.int32)
-                  for j, other in enumerate(cols) if j != i) < k for i, col in enumerate(cols)]
-    scaled = [col / temperature for col in cols]
-    top = reduce(jnp.maximum, scaled)
-    unnormalised = [jnp.where(c, jnp.exp(x - top), 0.0) for c, x in zip(chosen, scaled)]
-    inverse = 1.0 / reduce(jnp.add, unnormalised)
-    return jnp.stack([u * inverse for u in unnormalised], axis=-1)
-
-
 def top_k_gates(logits: Array, k: int, temperature: float = 1.0, by_rank: bool = False):
     """Top-k softmax gating.
 
@@ -402,7 +284,7 @@ def top_k_gates(logits: Array, k: int, temperature: float = 1.0, by_rank: bool =
     top_idx = top_all[:, :k]
     top_gate = jax.nn.softmax(top_values[:, :k] / temperature, axis=-1)
     if by_rank:
-        return gates_by_rank(logits, k, temperature), top_idx, top_gate, top_values
+        return rank_gates.gates_by_rank(logits, k, temperature), top_idx, top_gate, top_values
     # One-hot sum instead of a scatter: the k indices of a unit are distinct, and this stays a plain
     # differentiable contraction.
     gates = jnp.einsum("uk,uke->ue", top_gate, jax.nn.one_hot(top_idx, num_experts, dtype=top_gate.dtype))
@@ -581,291 +463,6 @@ def gated_experts_forward(params: Mapping[str, Array], x: Array, gates: Array, *
             + jnp.matmul(g, params["b"].astype(jnp.float32), precision=precision))
 
 
-def grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_index: Array, weights: Array,
-                            active: Array, *, block: int = GROUP_BLOCK, dtype=jnp.float32,
-                            precision: Any = None, by_expert: bool = False) -> Array:
-    """Run only the chosen experts: sort the (unit, expert) assignments by expert, pad each expert's group
-    to whole blocks of ``block`` units, run every block through its expert, and sum the weighted outputs
-    back per unit. Nothing is dropped; the work is that of the assignments plus at most E - 1 padding
-    blocks, about k/E of the dense execution for large inputs.
-
-    Args:
-      params: stacked expert parameters (see ``experts_forward``), leading axis E.
-      units: (U, R, d). expert_index, weights, active: (U, k) chosen experts, their gates, and which
-        assignments are routed at all (inactive ones contribute nothing).
-      by_expert: MLP experts' blocks run expert by expert (``mlp_expert_blocks_by_expert``) rather than
-        block by block (``mlp_expert_blocks``), and the outputs combined by gathering each unit's
-        assignments (``combine_assignments``); the same outputs up to float32 rounding. Not under
-        ``sort_groups``, whose groups run vmapped, where every group's loops would run to the longest.
-    Returns:
-      (U, R, o), ``sum_j weights[u, j] * expert_{index[u, j]}(units[u])`` over active j.
-    """
-    groups = _SORT_GROUPS.get()
-    if groups > 1 and units.shape[0] % groups == 0 and units.shape[0] > groups:
-        def split(a):
-            return a.reshape((groups, a.shape[0] // groups) + a.shape[1:])
-
-        run = partial(_grouped_experts_forward, params, block=block, dtype=dtype, precision=precision)
-        out = jax.vmap(run)(split(units), split(expert_index), split(weights), split(active))
-        return out.reshape((units.shape[0],) + out.shape[2:])
-    return _grouped_experts_forward(params, units, expert_index, weights, active, block=block, dtype=dtype,
-                                    precision=precision, by_expert=by_expert)
-
-
-_RANK_TILE = 128
-
-
-def ranks_within_groups(keys: Array, num_groups: int) -> tuple[Array, Array]:
-    """Counting in place of a sort, for a few distinct keys.
-
-    Args:
-      keys: int (A,), values in [0, num_groups).
-    Returns:
-      rank: int32 (A,), how many earlier elements (lower index) hold the same key: the element's place
-        within its key's group under a stable sort by key.
-      counts: int32 (num_groups,), the elements holding each key.
-
-    The counts come from one-hot tiles of 128 elements: within a tile, a product with a strictly lower
-    triangular matrix (0/1 values and sums below 128, exact in float32); across tiles, an integer running
-    sum of the tiles' totals. It replaces XLA:CPU's stable sort of a layer's expert assignments, which is
-    slower; the grouped execution's slots computed this way are the same (see docs/performance.md, "Grouped
-    MoE experts").
-    """
-    num = keys.shape[0]
-    if _BLOCKS_AS_ONE_PRODUCT.get():
-        # Traced for FLOP counting: the same ranks by a stable sort, so that the count holds the model's
-        # products only, not these bookkeeping ones.
-        order = jnp.argsort(keys, stable=True)
-        counts = jnp.bincount(keys, length=num_groups).astype(jnp.int32)
-        start = jnp.cumsum(counts) - counts
-        rank = jnp.zeros((num,), jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32) - start[keys[order]])
-        return rank, counts
-    pad = (-num) % _RANK_TILE
-    padded = jnp.pad(keys.astype(jnp.int32), (0, pad), constant_values=num_groups)   # padding: no group
-    tiles = (padded[:, None] == jnp.arange(num_groups)).astype(jnp.float32)
-    tiles = tiles.reshape(-1, _RANK_TILE, num_groups)                                 # (R, T, G)
-    earlier = jnp.tril(jnp.ones((_RANK_TILE, _RANK_TILE), jnp.float32), -1)          # [i, j]: j before i
-    within = jnp.einsum("ij,rjg->rig", earlier, tiles, precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
-    totals = tiles.sum(1).astype(jnp.int32)                                          # (R, G)
-    before = jnp.cumsum(totals, axis=0) - totals
-    rank = jnp.sum((within + before[:, None, :]) * tiles.astype(jnp.int32), axis=-1).reshape(-1)[:num]
-    return rank, totals.sum(0)
-
-
-def _grouped_experts_forward(params: Mapping[str, Array], units: Array, expert_index: Array, weights: Array,
-                             active: Array, *, block: int, dtype, precision: Any, by_expert: bool = False) -> Array:
-    """``grouped_experts_forward`` on one group of units."""
-    num_units, k = expert_index.shape
-    num_experts = next(iter(params.values())).shape[0]
-    num_assign = num_units * k
-    expert = jnp.where(active, expert_index, num_experts).reshape(num_assign)   # inactive: sentinel group
-    unit = jnp.repeat(jnp.arange(num_units, dtype=jnp.int32), k)
-    # Each assignment's slot: its expert's first padded slot plus its rank among that expert's assignments
-    # in unit order, the place a stable sort by expert would give it.
-    rank, counts = ranks_within_groups(expert, num_experts + 1)
-    counts = counts[:num_experts]
-    padded = -(-counts // block) * block
-    padded_end = jnp.cumsum(padded)
-    padded_start = padded_end - padded
-    # Static size: every assignment plus, per expert, an unfilled block at most.
-    length = -(-(num_assign + num_experts * (block - 1)) // block) * block
-    num_blocks = length // block
-    safe = jnp.minimum(expert, num_experts - 1)
-    position = jnp.where(expert < num_experts, padded_start[safe] + rank, length)
-    slot_unit = jnp.zeros((length,), jnp.int32).at[position].set(unit, mode="drop")
-    # Expert of each block (blocks past the last group hold only zero-weight padding).
-    block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
-                               num_experts - 1)
-    x = units[slot_unit].astype(dtype)                                              # (L, R, d)
-    x = x.reshape((num_blocks, block * x.shape[1], x.shape[2]))
-
-    mlp = tuple(jnp.asarray(params[name]) for name in ("w1", "b1", "w2", "b2")) if "w1" in params else None
-
-    def run_block(args):
-        """One block through its expert; the expert's weights are read in place (a dynamic index), not
-        gathered into a (blocks, d, h) copy, which at thousands of units cost more than the products."""
-        h, e = args
-        if mlp is not None:
-            return _mlp_block(*(p[e] for p in mlp), h, dtype, precision)[0]
-        w, b = jnp.asarray(params["w"])[e].astype(dtype), jnp.asarray(params["b"])[e].astype(dtype)
-        return jnp.matmul(h, w, precision=precision) + b
-
-    if mlp is not None and not _BLOCKS_AS_ONE_PRODUCT.get():
-        if by_expert:        # each expert's blocks are consecutive and end at its padded end
-            out = mlp_expert_blocks_by_expert(*mlp, x, block_expert, (padded_end // block).astype(jnp.int32),
-                                              dtype, precision)
-            out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
-            return combine_assignments(out, position.reshape(num_units, k), weights, active)
-        out = mlp_expert_blocks(*mlp, x, block_expert, dtype, precision)
-    else:
-        out = jax.lax.map(run_block, (x, block_expert),
-                          batch_size=num_blocks if _BLOCKS_AS_ONE_PRODUCT.get() else None)
-    out = out.reshape((length,) + units.shape[1:2] + out.shape[-1:])
-    # Weighted as a product rather than a broadcast multiply: the gate's cotangent is then a (L, R x o)
-    # contraction, where the multiply's was a multiply and a minor-axis sum that XLA:CPU runs slowly (see
-    # docs/performance.md, "Grouped MoE experts").
-    slot_weight = jnp.zeros((length,), jnp.float32).at[position].set(
-        weights.reshape(num_assign).astype(jnp.float32), mode="drop")
-    out = jnp.einsum("lro,l->lro", out, slot_weight.astype(out.dtype))
-    return jax.ops.segment_sum(out, slot_unit, num_segments=num_units)
-
-
-def combine_assignments(out: Array, position: Array, weights: Array, active: Array) -> Array:
-    """Each unit's weighted sum of its assignments' expert outputs, gathered from their slots.
-
-    Args: out (L, R, o) the slots' outputs; position int (U, k) each assignment's slot (any value where
-    inactive); weights (U, k); active bool (U, k). Returns (U, R, o), ``sum_j weights[u, j] *
-    out[position[u, j]]`` over active j, added in assignment order.
-
-    The grouped execution's combination outside training: one loop fusion (the k gathers, the weighting, the
-    sum and whatever elementwise consumer follows) where weighting every slot and scatter-adding the slots
-    into zeroed units took three passes, and slots never gathered (padding, blocks past the last expert's)
-    may hold anything (see docs/performance.md, "Grouped MoE experts"). Training keeps the weighting product
-    and the scatter-add: there the gates' cotangent through this form is a reduction over the output's minor
-    axis, which XLA:CPU runs slowly (see ``_grouped_experts_forward``). Not bitwise the scatter-add's sum:
-    XLA may fuse a weighting and an addition into one multiply-add."""
-    total = None
-    for j in range(position.shape[1]):
-        rows = out[jnp.clip(position[:, j], 0, out.shape[0] - 1)]
-        term = jnp.where(active[:, j, None, None], rows * weights[:, j, None, None].astype(out.dtype), 0)
-        total = term if total is None else total + term
-    return total
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def mlp_expert_blocks(w1: Array, b1: Array, w2: Array, b2: Array, x: Array, block_expert: Array, dtype=jnp.float32,
-                      precision: Any = None) -> Array:
-    """Blocks of units, each through its expert's MLP: ``relu(x[i] @ w1[e] + b1[e]) @ w2[e] + b2[e]`` with
-    ``e = block_expert[i]``, one block after another, the weights read in place.
-
-    Args: w1 (E, d, h), b1 (E, h), w2 (E, h, o), b2 (E, o); x (blocks, rows, d); block_expert int (blocks,).
-    Returns (blocks, rows, o) in ``dtype``.
-
-    The backward pass is written out (``_mlp_expert_blocks_bwd``). Left to autodiff, the loop's cotangent
-    of the weights is a full (E, d, h) array per block (the transpose of the dynamic index), added up
-    block after block, which made the grouped execution slower than the dense one in training (see
-    docs/performance.md, "Grouped MoE experts").
-    """
-    return _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision)[0]
-
-
-def _mlp_block(w1, b1, w2, b2, xb, dtype, precision):
-    """One block (rows, d) through one expert's MLP (w1 (d, h), b1 (h,), w2 (h, o), b2 (o,)): (output
-    (rows, o), hidden layer (rows, h))."""
-    hidden = jax.nn.relu(jnp.matmul(xb.astype(dtype), w1.astype(dtype), precision=precision) + b1.astype(dtype))
-    return jnp.matmul(hidden, w2.astype(dtype), precision=precision) + b2.astype(dtype), hidden
-
-
-def _mlp_expert_blocks_fwd(w1, b1, w2, b2, x, block_expert, dtype, precision):
-    def run_block(args):
-        xb, e = args
-        return _mlp_block(w1[e], b1[e], w2[e], b2[e], xb, dtype, precision)
-
-    out, hidden = jax.lax.map(run_block, (x, block_expert))
-    return out, (w1, w2, x, hidden, block_expert)
-
-
-def _mlp_expert_blocks_bwd(dtype, precision, residuals, g):
-    """One pass over the blocks: each block's input and hidden cotangents against its expert, and its weight
-    gradients added into its expert's (a scan carrying per-expert sums).
-
-    Every product is a plain (untransposed-operand) one, which XLA:CPU runs in its fast matmul library: the
-    experts' weights are transposed once, the block's small (rows x d) input and (rows x o) cotangent are
-    transposed explicitly, and the second layer's weight gradient is summed transposed, (o, h), then turned
-    once at the end. As ``x_b^T @ dh`` and ``h_b^T @ g_b`` those two ran as slower transposed-operand
-    dots."""
-    w1, w2, x, hidden, block_expert = residuals
-    num_experts = w1.shape[0]
-    w1_t, w2_t = (jnp.swapaxes(w, 1, 2).astype(dtype) for w in (w1, w2))
-    f32 = jnp.float32
-    sums = (jnp.zeros(w1.shape, f32), jnp.zeros((num_experts, w1.shape[2]), f32),
-            jnp.zeros((num_experts, w2.shape[2], w2.shape[1]), f32), jnp.zeros((num_experts, w2.shape[2]), f32))
-
-    def block(carry, args):
-        dw1, db1, dw2_t, db2 = carry
-        xb, hb, gb, e = args
-        gb = gb.astype(dtype)
-        # optimization_barrier keeps XLA from folding the transposes back into the products.
-        xb_t, gb_t = jax.lax.optimization_barrier((xb.astype(dtype).T, gb.T))
-        dh = jnp.matmul(gb, w2_t[e], precision=precision) * (hb > 0).astype(dtype)
-        dx = jnp.matmul(dh, w1_t[e], precision=precision)
-        carry = (dw1.at[e].add(jnp.matmul(xb_t, dh, precision=precision, preferred_element_type=f32)),
-                 db1.at[e].add(dh.sum(0).astype(f32)),
-                 dw2_t.at[e].add(jnp.matmul(gb_t, hb, precision=precision, preferred_element_type=f32)),
-                 db2.at[e].add(gb.sum(0).astype(f32)))
-        return carry, dx
-
-    (dw1, db1, dw2_t, db2), dx = jax.lax.scan(block, sums, (x, hidden, g, block_expert))
-    return (dw1.astype(w1.dtype), db1.astype(w1.dtype), jnp.swapaxes(dw2_t, 1, 2).astype(w2.dtype),
-            db2.astype(w2.dtype), dx.astype(x.dtype), None)
-
-
-mlp_expert_blocks.defvjp(_mlp_expert_blocks_fwd, _mlp_expert_blocks_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def mlp_expert_blocks_by_expert(w1: Array, b1: Array, w2: Array, b2: Array, x: Array, block_expert: Array,
-                                block_end: Array, dtype=jnp.float32, precision: Any = None) -> Array:
-    """``mlp_expert_blocks`` run expert by expert: a scan over the E experts hands each expert's weights to a
-    loop over its own blocks, ``block_end[e - 1]`` (0 for the first) up to ``block_end[e]``.
-
-    Args: as ``mlp_expert_blocks``, and block_end int (E,), non-decreasing: the end (exclusive) of each
-    expert's blocks, which must be consecutive and agree with ``block_expert``. Returns (blocks, rows, o)
-    in ``dtype``: the blocks up to ``block_end[-1]`` as ``mlp_expert_blocks`` computes them (the same
-    products), the blocks past it (only padding) zero, or their inputs unchanged where the call computes in
-    place: undifferentiated, with o = d and ``x`` in ``dtype``.
-
-    Why: the block-by-block loop reads its expert's weights by a dynamic index, which XLA:CPU copies out for
-    every block (a d x h and an h x o matrix); here the scan slices them once per expert and the blocks past
-    the last expert's padding are not run. Writing out the hidden layer as well (the residual the backward
-    pass needs) made the call slower, so it is written only by the forward rule, under differentiation. In
-    place, each block's output goes over its input: no zeroed output buffer (see docs/performance.md,
-    "Grouped MoE experts"). The result keeps its batch axis where the primal puts it, since both carry the
-    output through the same loops (see ``attention.normalises_after_product`` for why that matters).
-    """
-    return _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidden=False)[0]
-
-
-def _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidden):
-    """(output (blocks, rows, o), hidden layer (blocks, rows, h) or None) of ``mlp_expert_blocks_by_expert``."""
-    num_blocks, rows = x.shape[:2]
-    # In place where the shapes allow it (outside differentiation, o = d): each block's output overwrites its
-    # own input, which nothing reads afterwards, so the loops carry the gathered units themselves rather than
-    # a zeroed (blocks, rows, o) buffer that XLA writes afresh for every layer.
-    in_place = not keep_hidden and x.shape[-1] == w2.shape[2] and x.dtype == dtype
-    # Made like x, so that under shard_map they vary over the mesh as the loops' outputs do.
-    buffers = [x if in_place else jnp.zeros_like(x, dtype, shape=(num_blocks, rows, w2.shape[2]))]
-    if keep_hidden:
-        buffers.append(jnp.zeros_like(x, dtype, shape=(num_blocks, rows, w1.shape[2])))
-
-    def expert(carry, args):
-        buffers, start = carry
-        *weights, end = args
-
-        def run_block(i, buffers):
-            results = _mlp_block(*weights, (buffers[0] if in_place else x)[i], dtype, precision)
-            return [buf.at[i].set(r) for buf, r in zip(buffers, results)]
-
-        return (jax.lax.fori_loop(start, end, run_block, buffers), end), None
-
-    (buffers, _), _ = jax.lax.scan(expert, (buffers, jnp.zeros_like(block_end[0])), (w1, b1, w2, b2, block_end))
-    return buffers[0], (buffers[1] if keep_hidden else None)
-
-
-def _mlp_expert_blocks_by_expert_fwd(w1, b1, w2, b2, x, block_expert, block_end, dtype, precision):
-    out, hidden = _expert_by_expert(w1, b1, w2, b2, x, block_end, dtype, precision, keep_hidden=True)
-    return out, (w1, w2, x, hidden, block_expert)
-
-
-def _mlp_expert_blocks_by_expert_bwd(dtype, precision, residuals, g):
-    """``mlp_expert_blocks``'s backward pass; the blocks past the last expert's, zero in the forward pass and
-    in the hidden layer kept, add nothing (their output cotangents are zero: padding carries zero weight)."""
-    return _mlp_expert_blocks_bwd(dtype, precision, residuals, g) + (None,)
-
-
-mlp_expert_blocks_by_expert.defvjp(_mlp_expert_blocks_by_expert_fwd, _mlp_expert_blocks_by_expert_bwd)
-
-
 # --------------------------------------------------------------------------------------------------
 # The MoE layer
 # --------------------------------------------------------------------------------------------------
@@ -885,8 +482,13 @@ class MoE(nn.Module):
       level: ``'node'`` | ``'instance'`` | ``'problem'``.
       noisy_gating: add the learned gating noise in training (input choice only).
       capacity_factor: None = no-drop capacity; see ``expert_capacity`` / ``expert_choice_capacity``.
-      dispatch: ``'dense'`` | ``'grouped'`` | ``'sparse'`` | ``'einsum'`` execution strategy, or ``'auto'``
-        (``resolve_dispatch``: per call, from the backend, the expert type and the input size).
+      dispatch: ``'dense'`` | ``'grouped_mlp'`` | ``'grouped'`` | ``'sparse'`` | ``'einsum'`` execution
+        strategy (``resolve_dispatch``); the policy sets it and the next four from its execution plan.
+      grouped_min_assignments: grouped calls with fewer (unit, expert) assignments per sort group run dense.
+      grouped_by_expert: outside training mode, grouped MLP experts run expert by expert.
+      sort_groups: the grouped sort runs within this many groups of consecutive units (one per device).
+      blocks_as_one_product: the grouped blocks traced as one product (FLOP counting only).
+      gates_by_rank: outside training mode, top-1/top-2 dense gates computed elementwise.
       temperature: T of the top-k softmax.
       loss_coef: multiplier of the load-balancing loss (reference default 1e-3).
       slots_per_expert: soft-MoE slots per expert (reference: k).
@@ -907,6 +509,11 @@ class MoE(nn.Module):
     noisy_gating: bool = True
     capacity_factor: Optional[float] = None
     dispatch: str = "dense"
+    grouped_min_assignments: int = 0
+    grouped_by_expert: bool = False
+    sort_groups: int = 1
+    blocks_as_one_product: bool = False
+    gates_by_rank: bool = False
     temperature: float = 1.0
     loss_coef: float = DEFAULT_LOSS_COEF
     slots_per_expert: int = 1
@@ -926,7 +533,7 @@ class MoE(nn.Module):
         one_of("expert_type", self.expert_type, _EXPERT_TYPES)
         one_of("routing", self.routing, _ROUTINGS)
         one_of("level", self.level, _LEVELS)
-        one_of("dispatch", self.dispatch, (AUTO_DISPATCH,) + DISPATCHES)
+        one_of("dispatch", self.dispatch, DISPATCHES)
         one_of("expert_choice_softmax", self.expert_choice_softmax, ("experts", "tokens"))
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"MoE needs 1 <= k <= num_experts, got k={self.k}, E={self.num_experts}")
@@ -1054,7 +661,7 @@ class MoE(nn.Module):
                 noise = self.gating_noise(num_units) if given_noise is None else given_noise
             gates, top_idx, top_gate, aux, _ = noisy_top_k_gating(
                 gate_in, self.get_variable("params", "w_gate"), self.get_variable("params", "w_noise"), noise,
-                k, self.temperature, self.loss_coef, self.precision, by_rank=uses_gates_by_rank(k, train)
+                k, self.temperature, self.loss_coef, self.precision, by_rank=self.gates_by_rank and k <= 2 and not train
             )
         else:
             uniform = jax.random.uniform(self._rng(train), (num_units, e))
@@ -1068,8 +675,9 @@ class MoE(nn.Module):
         """Input choice (noisy top-k) or random routing of units (U, R, d) -> (U, R, o)."""
         num_units, e, k = units.shape[0], self.num_experts, self.k
         gates, top_idx, top_gate, aux = self._token_gates(gate_in, train, noise)
-        strategy = resolve_dispatch(self.dispatch, expert_type=self.expert_type,
-                                    num_assignments=num_units * units.shape[1] * k)
+        num_assignments = num_units * units.shape[1] * k
+        strategy = resolve_dispatch(self.dispatch, expert_type=self.expert_type, num_assignments=num_assignments,
+                                    min_assignments=self.grouped_min_assignments, sort_groups=self.sort_groups)
 
         if strategy == "dense":
             r = units.shape[1]
@@ -1078,11 +686,14 @@ class MoE(nn.Module):
             y = y.reshape(num_units, r, -1).astype(self.dtype)     # outputs in the compute dtype, as elsewhere
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         elif strategy == "grouped":
-            block = group_block(assignments_per_sort_group(num_units * units.shape[1] * k))
-            y = grouped_experts_forward(params, units, top_idx, top_gate, top_gate > 0,
-                                        block=max(1, min(block // units.shape[1], num_units)),
-                                        dtype=self.dtype, precision=self.precision,
-                                        by_expert=BY_EXPERT_OUTSIDE_TRAINING and not train)
+            # Training keeps the block-by-block loop: its groups (one per device) run vmapped, where every
+            # group's loops would run to the longest, and its sampling pass must compute what its backward
+            # pass recomputes.
+            block = grouped_experts.group_block(num_assignments // self.sort_groups)
+            y = grouped_experts.grouped_experts_forward(
+                params, units, top_idx, top_gate, top_gate > 0, block=max(1, min(block // units.shape[1], num_units)),
+                dtype=self.dtype, precision=self.precision, by_expert=self.grouped_by_expert and not train,
+                sort_groups=self.sort_groups, blocks_as_one_product=self.blocks_as_one_product)
             stats = (jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
         else:
             capacity = expert_capacity(num_units, k, e, self.capacity_factor)
@@ -1127,7 +738,7 @@ class MoE(nn.Module):
         c = expert_choice_capacity(num_units, e, self.capacity_factor, self.k)
         chosen_score, chosen = jax.lax.top_k(scores.T, c)  # (E, c): each expert's units, best first
 
-        if self.dispatch in ("dense", AUTO_DISPATCH):    # auto: grouped is for token choice only
+        if self.dispatch in ("dense", "grouped_mlp"):    # grouped is for token choice only
             # top_k indices are distinct per expert, so a set builds the (U, E) combine weights exactly.
             weights = jnp.zeros((num_units, e), jnp.float32).at[chosen, jnp.arange(e)[:, None]].set(chosen_score)
             expert_out = self._run_experts(params, units, per_expert=False)  # (E, U, R, o)
@@ -1171,7 +782,7 @@ class MoE(nn.Module):
             top, idx = jax.lax.top_k(logits, k)
             gate = jax.nn.softmax(top / self.temperature)
         tokens = x3.reshape(-1, x3.shape[-1])
-        if self.dispatch in ("dense", AUTO_DISPATCH):
+        if self.dispatch in ("dense", "grouped_mlp"):
             dense_gate = jnp.zeros((e,), jnp.float32).at[idx].set(gate)
             expert_out = self._run_experts(params, tokens, per_expert=False)  # (E, N, o)
             y = jnp.einsum("e,eno->no", dense_gate.astype(expert_out.dtype), expert_out, precision=self.precision)
@@ -1240,6 +851,7 @@ class DenseOrMoE(nn.Module):
     noisy_gating: bool = True
     capacity_factor: Optional[float] = None
     dispatch: str = "dense"
+    gates_by_rank: bool = False
     loss_coef: float = DEFAULT_LOSS_COEF
     gate_temperature: float = 1.0
     dtype: Any = jnp.float32
@@ -1258,6 +870,7 @@ class DenseOrMoE(nn.Module):
             noisy_gating=self.noisy_gating,
             capacity_factor=self.capacity_factor,
             dispatch=self.dispatch,
+            gates_by_rank=self.gates_by_rank,
             loss_coef=self.loss_coef,
             dtype=self.dtype,
             param_dtype=self.param_dtype,

@@ -21,15 +21,18 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from mvmoe_jax.engines import attention as attention_engines
+from mvmoe_jax.engines.readout import padded_readout_nodes, readout_product, readout_product_given
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn import moe as moe_lib
-from mvmoe_jax.nn.attention import (InstanceNorm, attention_from_bounded_scores, attention_from_scores,
-                                    attention_with_given_scores, attention_with_given_weights, multi_head_attention,
-                                    split_heads)
+from mvmoe_jax.nn.attention import InstanceNorm, multi_head_attention, split_heads
 from mvmoe_jax.nn.layers import Dense
 
 MODELS = ("pomo", "pomo_mtl", "mvmoe", "mvmoe_light")
 ALL_POSITIONS = ("Raw",) + tuple(f"Enc{i}" for i in range(6)) + ("Dec",)
+# Fields that earlier versions kept in the architecture and the execution plan now holds: dropped when read.
+EXECUTION_FIELDS = ("moe_dispatch", "fused_readout", "fused_query")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +50,9 @@ class PolicyConfig:
     routing_method: str = "input_choice"      # input_choice | expert_choice | soft | random
     routing_level: str = "node"               # node | instance | problem
     expert_loc: tuple[str, ...] = ("Enc0", "Enc1", "Enc2", "Enc3", "Enc4", "Enc5", "Dec")
-    moe_dispatch: str = "auto"                # auto (per layer: grouped for a CPU's MLP experts on
-                                              # enough tokens, else dense; moe.resolve_dispatch) | dense
-                                              # (every expert, side by side, gate-weighted) | grouped
-                                              # (only the chosen experts, sorted into blocks) | sparse
-                                              # (capacity buffers, scatter/gather) | einsum
-                                              # (dispatch/combine tensors); see nn/moe.py
-    capacity_factor: float | None = None      # None: no token is ever dropped
+    capacity_factor: float | None = None      # None: no token is ever dropped (with the plan's sparse or
+                                              # einsum MoE execution, tokens past capacity are)
     compute_dtype: str = "float32"            # float32 | bfloat16 (matmul inputs; params stay float32)
-    fused_readout: bool = True                # fold the node embeddings into the decoder's combining
-                                              # projection(s) once per rollout (see Policy.precompute)
-    fused_query: bool = True                  # precompute every possible query's attention scores once per
-                                              # rollout; inference and sampling (see Policy.precompute)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -69,22 +63,8 @@ class PolicyConfig:
             f"Enc{i}" for i in range(self.num_layers)) + ("Dec",)]
         if bad:
             raise ValueError(f"unknown MoE positions {bad}; expected Raw, Enc0..Enc{self.num_layers - 1}, Dec")
-        if self.moe_dispatch not in ("auto",) + moe_lib.DISPATCHES:
-            raise ValueError(f"moe_dispatch must be auto or one of {moe_lib.DISPATCHES}, got {self.moe_dispatch!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
-
-    @property
-    def uses_fused_readout(self) -> bool:
-        """The readout fusion applies to a dense combining projection, or a MoE of linear experts whose
-        gates are per token (node-level input choice or random routing)."""
-        if not self.fused_readout:
-            return False
-        # Token dropping (a capacity factor with sparse or einsum execution) is not reproduced by it.
-        return not self.moe_at("Dec") or (self.routing_level == "node"
-                                          and self.routing_method in ("input_choice", "random")
-                                          and (self.capacity_factor is None
-                                               or self.moe_dispatch in ("auto", "dense", "grouped")))
 
     @property
     def uses_moe(self) -> bool:
@@ -117,7 +97,7 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, d) -> "PolicyConfig":
-        d = dict(d)
+        d = {k: v for k, v in dict(d).items() if k not in EXECUTION_FIELDS}
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown policy config fields: {sorted(unknown)}")
@@ -126,90 +106,36 @@ class PolicyConfig:
         return cls(**d)
 
 
-# XLA:CPU runs a decoding step's small instance-batched products (P x D by D x columns) fastest with a
-# multiple of 16 output columns, so the readout's node axis is zero-padded to such a width once per rollout
-# (see docs/performance.md, "Fused readout and query").
-READOUT_COLUMN_MULTIPLE = 16
+def fuses_readout(cfg: PolicyConfig, plan: ExecutionPlan) -> bool:
+    """Whether the plan's readout fusion applies to ``cfg``: to a dense combining projection, or a MoE of
+    linear experts whose gates are per token (node-level input choice or random routing). Token dropping (a
+    capacity factor with sparse or einsum execution) is not reproduced by it."""
+    if not plan.fused_readout:
+        return False
+    return not cfg.moe_at("Dec") or (cfg.routing_level == "node" and cfg.routing_method in ("input_choice", "random")
+                                     and (cfg.capacity_factor is None
+                                          or plan.moe_dispatch in ("dense", "grouped_mlp", "grouped")))
 
 
-def padded_readout_nodes(num_nodes: int, map_counts: tuple[int, ...]) -> int:
-    """The smallest node count >= ``num_nodes`` that makes every product's columns (``m`` maps of it, for
-    each ``m`` in ``map_counts``) a multiple of ``READOUT_COLUMN_MULTIPLE``."""
-    padded = num_nodes
-    while any((m * padded) % READOUT_COLUMN_MULTIPLE for m in map_counts):
-        padded += 1
+def query_table_width(num_nodes: int, plan: ExecutionPlan) -> int:
+    """Columns of the query fusion's score tables and padded values where ``Policy.precompute`` pads them for
+    forward-only decoding: ``num_nodes`` rounded up to the plan's ``query_table_multiple`` where that gives at
+    most ``query_table_max_columns`` columns (0: any), else unchanged. The padding columns are masked off, so
+    each step's exponentials, row sums and value products see exact zeros there: the same sums, to float32
+    rounding. A step's loops and YNNPACK's value products run faster on rows of a multiple of 8 floats while
+    they stay in cache; past 128 columns (n = 200) the padding lost (docs/performance.md, "Fused readout and
+    query")."""
+    padded = -(-num_nodes // plan.query_table_multiple) * plan.query_table_multiple
+    if plan.query_table_max_columns and padded > plan.query_table_max_columns:
+        return num_nodes
     return padded
 
 
-# Whether inference's decoding steps offset their softmax by the query fusion's score bounds (``Policy.score_bound``)
-# rather than by the maximum: True, False, or None for ``uses_score_bounds``'s choice. Read at trace time.
-SCORE_BOUNDS: bool | None = None
-
-
-def uses_score_bounds(num_instances: int) -> bool:
-    """Whether a forward decoding step over ``num_instances`` instances with the query fusion offsets its softmax
-    by the score bounds (``SCORE_BOUNDS`` overrides): on a CPU, for one instance at a time. In larger chunks
-    YNNPACK runs the maximum, the exponentials, the value product and the normalisation as one kernel, which
-    the bounded loop's exponentials break up, and the bounds do not pay (see docs/performance.md, "Score
-    bounds"). Accelerators keep the maximum, the form their figures were measured with."""
-    if SCORE_BOUNDS is not None:
-        return SCORE_BOUNDS
-    return jax.default_backend() == "cpu" and num_instances == 1
-
-
-# Whether forward-only decoding steps mix the MoE readout's per-map scores by an elementwise sum: True, False, or
-# None for ``mixes_maps_elementwise``'s choice. Read at trace time.
-MIX_MAPS_ELEMENTWISE: bool | None = None
-
-
-def mixes_maps_elementwise(train: bool) -> bool:
-    """Whether a decoding step mixes the gated readout's per-map scores (B, P, M, N) as ``sum_m w_m (s_m + b_m)``
-    written out over the M maps rather than as a per-trajectory (1 x M) @ (M x N) product (``MIX_MAPS_ELEMENTWISE``
-    overrides): on a CPU, outside training. Written out, XLA:CPU computes the mix, the readout's padding cut, the
-    logit clipping and the mask in one loop, where the product left a bias pass, a small dot and the clipping's
-    loop (see docs/performance.md, "Readout mix written out"). Not bitwise the product's sums (the terms are
-    added in another order); the same tours. Training keeps the product, whose backward pass (the gates'
-    cotangent) was measured with it; accelerators keep it too."""
-    if MIX_MAPS_ELEMENTWISE is not None:
-        return MIX_MAPS_ELEMENTWISE
-    return jax.default_backend() == "cpu" and not train
-
-
-# Column multiple of the query fusion's score tables in forward-only decoding (``query_table_width``): an int for
-# every size, or None for the backend's choice. Read at trace time.
-QUERY_TABLE_COLUMN_MULTIPLE: int | None = None
-CPU_QUERY_TABLE_MULTIPLE = 8
-CPU_QUERY_TABLE_MAX_PADDED = 128
-
-
-def query_table_width(num_nodes: int) -> int:
-    """Columns of the query fusion's score tables and padded values where ``Policy.precompute`` pads them for
-    forward-only decoding. On a CPU ``num_nodes`` rounded up to a multiple of ``CPU_QUERY_TABLE_MULTIPLE`` (8)
-    where that gives at most ``CPU_QUERY_TABLE_MAX_PADDED`` (128) columns; otherwise, and on accelerators
-    (whose figures were measured without it), unchanged. ``QUERY_TABLE_COLUMN_MULTIPLE`` overrides, at
-    every size. The padding columns are masked off, so each step's exponentials, row sums and value products
-    see exact zeros there: the same sums, to float32 rounding (XLA and YNNPACK may add the terms in another
-    order over wider rows).
-
-    Why: a step's loops over its (H, P, N) scores and YNNPACK's value products run faster on rows of a
-    multiple of 8 floats while they stay in cache; past 128 columns (n = 200) the padding lost, hence the cap,
-    and a multiple of 16 gained less (see docs/performance.md, "Fused readout and query")."""
-    multiple = QUERY_TABLE_COLUMN_MULTIPLE
-    if multiple is None:
-        if jax.default_backend() != "cpu":
-            return num_nodes
-        multiple = CPU_QUERY_TABLE_MULTIPLE
-        if -(-num_nodes // multiple) * multiple > CPU_QUERY_TABLE_MAX_PADDED:
-            return num_nodes
-    if multiple < 1:
-        raise ValueError(f"QUERY_TABLE_COLUMN_MULTIPLE must be a positive number of columns, got {multiple}")
-    return -(-num_nodes // multiple) * multiple
-
-
-def decoder_record_floats(cfg: PolicyConfig, num_nodes: int) -> int:
+def decoder_record_floats(cfg: PolicyConfig, plan: ExecutionPlan, num_nodes: int) -> int:
     """float32 values per trajectory in one step's ``DecoderRecord``: H x N attention weights, the D-wide
     attention output and the widest group's padded per-map readout scores."""
-    width = max(m * padded_readout_nodes(num_nodes, (m,)) for m in cfg.readout_map_counts)
+    multiple = plan.readout_column_multiple
+    width = max(m * padded_readout_nodes(num_nodes, (m,), multiple) for m in cfg.readout_map_counts)
     return cfg.num_heads * num_nodes + cfg.embedding_dim + width
 
 
@@ -225,13 +151,13 @@ class DecoderCache:
       experts; or MVMoE-L's dense map and its experts as two groups, so that the branch a step draws
       reads its own array rather than a slice copied out of a shared one); readout_bias the matching
       (B, M_g, N_g) arrays. The node axis is zero-padded to N_g >= N (``padded_readout_nodes``); scores
-      keep the first N. None without the fusion (``PolicyConfig.fused_readout`` off or not applicable,
+      keep the first N. None without the fusion (the plan's ``fused_readout`` off or not applicable,
       or initialising).
     node_scores: (B, H, N, W) the scaled attention scores of the query part that embeds node i (the
       current node) against every key j; feature_scores (B, H, F, W) those of each dynamic feature (F = 4)
       at value 1. A step's scores are ``node_scores[current] + sum_f dynamic_f feature_scores[f]``.
-      None without the query fusion (``PolicyConfig.fused_query`` off, or not requested). W = N, or
-      ``query_table_width(N)`` where ``precompute`` pads them for forward-only decoding (zero columns past
+      None without the query fusion (the plan's ``fused_query`` off, or not requested). W = N, or
+      ``query_table_width(N, plan)`` where ``precompute`` pads them for forward-only decoding (zero columns past
       N; ``padded_values`` is then set).
     padded_values: (B, H, W, D/H) the values with W - N zero rows appended, read by the forward-only steps
       in place of ``values`` when the tables are padded; None otherwise.
@@ -273,7 +199,7 @@ class DecoderRecord:
     ``given=``; see ``training.stepwise_gradients``).
 
     attention_weights: the softmax weights of the multi-head attention, float32, (B, H, N, P) or (B, H, P, N)
-      as records keep them (``attention.keys_major_weights``).
+      as records keep them (``engines.attention.kept_layout``).
     attention: (B, P, D) its output, the combining projection's input.
     readout_scores: (B, P, X) the fused readout's per-map scores ``attn @ readout[m]`` of the group of maps
       the step applied, flattened (M_g * N_g) and zero-padded to the widest group's X (MVMoE-L's steps
@@ -303,15 +229,24 @@ class FeedForward(nn.Module):
         return Dense(x.shape[-1], dtype=self.dtype, name="W2")(h)
 
 
-def _moe(cfg: PolicyConfig, output_dim: int, expert_type: str, name: str, hidden_dim: int | None = None):
+def _moe(cfg: PolicyConfig, plan: ExecutionPlan, output_dim: int, expert_type: str, name: str,
+         hidden_dim: int | None = None):
     return moe_lib.MoE(num_experts=cfg.num_experts, k=cfg.topk, output_dim=output_dim,
                        hidden_dim=hidden_dim, expert_type=expert_type, routing=cfg.routing_method,
-                       level=cfg.routing_level, dispatch=cfg.moe_dispatch,
-                       capacity_factor=cfg.capacity_factor, dtype=cfg.dtype, name=name)
+                       level=cfg.routing_level, capacity_factor=cfg.capacity_factor, dtype=cfg.dtype, name=name,
+                       **moe_execution(plan))
+
+
+def moe_execution(plan: ExecutionPlan) -> dict:
+    """The MoE layers' execution attributes from the plan."""
+    return dict(dispatch=plan.moe_dispatch, grouped_min_assignments=plan.grouped_min_assignments,
+                grouped_by_expert=plan.grouped_by_expert, sort_groups=plan.moe_sort_groups,
+                blocks_as_one_product=plan.grouped_blocks_as_one_product, gates_by_rank=plan.gates_by_rank)
 
 
 class EncoderLayer(nn.Module):
     cfg: PolicyConfig
+    plan: ExecutionPlan
     index: int
 
     @nn.compact
@@ -322,73 +257,42 @@ class EncoderLayer(nn.Module):
         k = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wk")(x), h)
         v = split_heads(Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype, name="Wv")(x), h)
         # Training mode keeps the differentiable form in every pass, the sampling pass included: its backward
-        # pass recomputes the encoder and must find what the sampling pass found (see normalises_after_product).
+        # pass recomputes the encoder and must find what the sampling pass found.
         attn = Dense(cfg.embedding_dim, dtype=cfg.dtype, name="multi_head_combine")(
-            multi_head_attention(q, k, v, differentiable=train))
+            multi_head_attention(q, k, v, plan=self.plan, differentiable=train))
         out1 = InstanceNorm(name="norm1")(x + attn)
         if cfg.moe_at(f"Enc{self.index}"):
-            ff, aux = _moe(cfg, cfg.embedding_dim, "mlp", "feed_forward", cfg.ff_hidden_dim)(out1, train=train)
+            moe = _moe(cfg, self.plan, cfg.embedding_dim, "mlp", "feed_forward", cfg.ff_hidden_dim)
+            ff, aux = moe(out1, train=train)
         else:
             ff, aux = FeedForward(cfg.ff_hidden_dim, cfg.dtype, name="feed_forward")(out1), jnp.float32(0.0)
         return InstanceNorm(name="norm2")(out1 + ff), aux
 
 
-@jax.custom_vjp
-def readout_product(x: jax.Array, readout: jax.Array) -> jax.Array:
-    """``x (B, P, D) @ readout (B, D, X)`` -> (B, P, X) float32, with a backward pass that computes the input's
-    cotangent against an explicitly transposed readout (B, X, D). Left to autodiff, XLA:CPU runs that
-    product, which contracts the readout's minor axis, slowly (see docs/performance.md, "Stepwise backward")."""
-    return jnp.einsum("bpd,bdx->bpx", x, readout, preferred_element_type=jnp.float32)
-
-
-def _readout_product_fwd(x, readout):
-    return readout_product(x, readout), (x, readout)
-
-
-def _readout_product_bwd(residuals, g):
-    x, readout = residuals
-    # optimization_barrier keeps XLA from folding the transpose back into the product.
-    readout_t = jax.lax.optimization_barrier(jnp.swapaxes(readout, -1, -2))
-    dx = jnp.einsum("bpx,bxd->bpd", g.astype(readout.dtype), readout_t, preferred_element_type=jnp.float32)
-    dr = jnp.einsum("bpd,bpx->bdx", x, g.astype(x.dtype), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dr.astype(readout.dtype)
-
-
-readout_product.defvjp(_readout_product_fwd, _readout_product_bwd)
-
-
-@jax.custom_vjp
-def readout_product_given(x: jax.Array, readout: jax.Array, out: jax.Array) -> jax.Array:
-    """``readout_product(x, readout)`` whose result ``out`` (B, P, X) is given (recorded when the same product
-    ran before); the backward pass is ``readout_product``'s, none for ``out``."""
-    return out
-
-
-def _readout_product_given_fwd(x, readout, out):
-    return out, (x, readout)
-
-
-def _readout_product_given_bwd(residuals, g):
-    return _readout_product_bwd(residuals, g) + (None,)
-
-
-readout_product_given.defvjp(_readout_product_given_fwd, _readout_product_given_bwd)
-
-
 class Policy(nn.Module):
-    """Encoder-decoder policy. Use ``encode`` once per batch, ``precompute`` once, ``decode`` per step."""
+    """Encoder-decoder policy. Use ``encode`` once per batch, ``precompute`` once, ``decode`` per step.
+
+    ``cfg`` is the model (its parameters follow from it); ``plan`` how its computations run
+    (``mvmoe_jax.execution``): results do not depend on it, and, as a field of the module, it is part of the
+    jit cache key of every function the policy is static in."""
 
     cfg: PolicyConfig
+    plan: ExecutionPlan
+
+    @property
+    def fuses_readout(self) -> bool:
+        """Whether ``precompute`` folds the combining projection into a readout (``fuses_readout``)."""
+        return fuses_readout(self.cfg, self.plan)
 
     def setup(self):
         cfg = self.cfg
         if cfg.moe_at("Raw"):
-            self.embedding_depot = _moe(cfg, cfg.embedding_dim, "linear", "embedding_depot")
-            self.embedding_node = _moe(cfg, cfg.embedding_dim, "linear", "embedding_node")
+            self.embedding_depot = _moe(cfg, self.plan, cfg.embedding_dim, "linear", "embedding_depot")
+            self.embedding_node = _moe(cfg, self.plan, cfg.embedding_dim, "linear", "embedding_node")
         else:
             self.embedding_depot = Dense(cfg.embedding_dim, dtype=cfg.dtype)
             self.embedding_node = Dense(cfg.embedding_dim, dtype=cfg.dtype)
-        self.layers = [EncoderLayer(cfg, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
+        self.layers = [EncoderLayer(cfg, self.plan, i, name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.Wq_last = Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype)
         self.Wk = Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype)
         self.Wv = Dense(cfg.embedding_dim, use_bias=False, dtype=cfg.dtype)
@@ -396,9 +300,9 @@ class Policy(nn.Module):
             self.multi_head_combine = moe_lib.DenseOrMoE(
                 output_dim=cfg.embedding_dim, num_experts=cfg.num_experts, k=cfg.topk,
                 routing=cfg.routing_method, level=cfg.routing_level, capacity_factor=cfg.capacity_factor,
-                dispatch=cfg.moe_dispatch, dtype=cfg.dtype)
+                dispatch=self.plan.moe_dispatch, gates_by_rank=self.plan.gates_by_rank, dtype=cfg.dtype)
         elif cfg.moe_at("Dec"):
-            self.multi_head_combine = _moe(cfg, cfg.embedding_dim, "linear", "multi_head_combine")
+            self.multi_head_combine = _moe(cfg, self.plan, cfg.embedding_dim, "linear", "multi_head_combine")
         else:
             self.multi_head_combine = Dense(cfg.embedding_dim, dtype=cfg.dtype)
 
@@ -454,9 +358,9 @@ class Policy(nn.Module):
                              values=split_heads(self.Wv(embeddings), h))
         if self.is_initializing():
             return cache        # initialisation goes through the plain path, which creates the params
-        if cfg.fused_query:
+        if self.plan.fused_query:
             cache = self.with_query_scores(cache, padded=True) if fuse_query else self.with_node_queries(cache)
-        if not cfg.uses_fused_readout:
+        if not fuses_readout(cfg, self.plan):
             return cache
         emb = embeddings.astype(cfg.dtype)
         n = embeddings.shape[-2]
@@ -464,7 +368,7 @@ class Policy(nn.Module):
         for maps, biases in self._map_groups():                                          # (M_g, D, D), (M_g, D)
             readout = jnp.einsum("mdo,bno->bdmn", maps.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
             bias = jnp.einsum("mo,bno->bmn", biases.astype(cfg.dtype), emb, preferred_element_type=jnp.float32)
-            pad = padded_readout_nodes(n, (maps.shape[0],)) - n
+            pad = padded_readout_nodes(n, (maps.shape[0],), self.plan.readout_column_multiple) - n
             readouts.append(jnp.pad(readout, ((0, 0), (0, 0), (0, 0), (0, pad))))
             readout_biases.append(jnp.pad(bias, ((0, 0), (0, 0), (0, pad))))
         return cache.replace(readout=tuple(readouts), readout_bias=tuple(readout_biases))
@@ -489,7 +393,7 @@ class Policy(nn.Module):
         cache = cache.replace(node_scores=node_scores, feature_scores=feature_scores,
                               node_score_max=jnp.max(node_scores, axis=-1), feature_score_range=feature_score_range)
         n = node_scores.shape[-1]
-        extra = query_table_width(n) - n
+        extra = query_table_width(n, self.plan) - n
         if not padded or not extra:
             return cache
         widen = lambda x, axis: jnp.pad(x, [(0, extra if a == axis % x.ndim else 0) for a in range(x.ndim)])
@@ -543,7 +447,7 @@ class Policy(nn.Module):
         if gating_noise is not None and not (cfg.moe_at("Dec") and not cfg.hierarchical):
             raise ValueError(f"gating_noise is for a decoder MoE without MVMoE-L's gate; {cfg.model} has none")
         if (keep_record or given is not None) and cache.readout is None:
-            raise ValueError("a decoder record needs the readout fusion (PolicyConfig.uses_fused_readout)")
+            raise ValueError("a decoder record needs the readout fusion (policy.fuses_readout)")
         attn, weights = self._decoder_attention(cache, current, dynamic, mask, keep_record, given)  # (B, P, D)
         readout_scores = None
         if cache.readout is not None:
@@ -594,7 +498,10 @@ class Policy(nn.Module):
             per_map = flat_scores.reshape(x.shape[:2] + (m, n))
             if weights is None:
                 score = per_map[:, :, 0] + bias[:, None, 0]
-            elif mixes_maps_elementwise(train):
+            elif self.plan.mix_maps_elementwise and not train:
+                # Written out, XLA:CPU computes the mix, the padding cut, the clipping and the mask in one loop,
+                # where the product left a bias pass, a small dot and the clipping's loop (docs/performance.md,
+                # "Readout mix written out"). Not bitwise the product's sums; the same tours.
                 w = weights.astype(jnp.float32)
                 score = sum(w[..., j, None] * (per_map[:, :, j] + bias[:, None, j]) for j in range(m))
             else:
@@ -641,15 +548,19 @@ class Policy(nn.Module):
             scores = lambda: self.fused_query_scores(cache, current, dynamic, width=width)
             if cache.node_queries is None:
                 if keep_weights:
-                    return attention_from_scores(scores(), cache.values, mask, with_weights=True)
+                    return attention_engines.attention_from_scores(scores(), cache.values, mask, self.plan,
+                                                                   with_weights=True)
                 values = cache.values
                 if padded:
                     values = cache.padded_values
                     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, values.shape[-2] - num_nodes)))
-                if cache.node_score_max is not None and uses_score_bounds(current.shape[0]):
+                # On a CPU the bounds pay for one instance at a time; in larger chunks YNNPACK runs the maximum,
+                # the exponentials, the value product and the normalisation as one kernel, which the bounded
+                # loop's exponentials break up (docs/performance.md, "Score bounds").
+                if cache.node_score_max is not None and current.shape[0] <= self.plan.score_bound_instances:
                     bound = self.score_bound(cache, current, dynamic)
-                    return attention_from_bounded_scores(scores, values, mask, bound), None
-                return attention_from_scores(scores(), values, mask), None
+                    return attention_engines.attention_from_bounded_scores(scores, values, mask, bound, self.plan), None
+                return attention_engines.attention_from_scores(scores(), values, mask, self.plan), None
             given_scores = scores()
         current = current[..., None].astype(jnp.int32)
         if cache.node_queries is not None:
@@ -665,15 +576,16 @@ class Policy(nn.Module):
         # Heads-major (B, H, P, d) products: faster on a CPU than keeping heads inside each query.
         q = split_heads(query, cfg.num_heads)
         if given is not None:
-            return attention_with_given_weights(q, cache.keys, cache.values, given.attention_weights,
-                                                given.attention), None
+            return attention_engines.attention_with_given_weights(q, cache.keys, cache.values, given.attention_weights,
+                                                                  given.attention, self.plan), None
         if keep_weights:
             scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
             score = jnp.einsum("bhmd,bhnd->bhmn", q, cache.keys, preferred_element_type=jnp.float32) * scale
-            return attention_from_scores(score, cache.values, mask, with_weights=True)
+            return attention_engines.attention_from_scores(score, cache.values, mask, self.plan, with_weights=True)
         if given_scores is not None:
-            return attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask), None
-        return multi_head_attention(q, cache.keys, cache.values, mask), None
+            return attention_engines.attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask,
+                                                                 self.plan), None
+        return multi_head_attention(q, cache.keys, cache.values, mask, plan=self.plan), None
 
     def fused_query_scores(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                            width: int | None = None) -> jax.Array:
@@ -690,9 +602,9 @@ class Policy(nn.Module):
     def score_bound(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array) -> jax.Array:
         """(B, H, P, 1): an upper bound on each step's largest attention score with the query fusion,
         ``node_score_max[current] + sum_f max(dynamic_f * min_f, dynamic_f * max_f)`` (see DecoderCache), which
-        ``attention_from_bounded_scores`` offsets the softmax by where ``uses_score_bounds`` (forward steps that
-        keep no softmax weights: inference and evaluation's sampling, not training's sampling pass). How loose
-        the bounds get in practice: docs/performance.md, "Score bounds"."""
+        ``attention_from_bounded_scores`` offsets the softmax by where the plan's ``score_bound_instances``
+        allow (forward steps that keep no softmax weights: inference and evaluation's sampling, not training's
+        sampling pass). How loose the bounds get in practice: docs/performance.md, "Score bounds"."""
         bound = jax.vmap(lambda table, cur: table[:, cur])(cache.node_score_max, current.astype(jnp.int32))
         dyn = dynamic.astype(jnp.float32)
         for f in range(dyn.shape[-1]):

@@ -40,26 +40,37 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--output", default="solutions", help="folder for the .sol files, plots and summary.json")
     p.add_argument("--plot", action="store_true", help="also write a PNG of each solution")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--cpu_devices", type=int, default=0, help="on a CPU, decode on this many JAX devices at once "
-                   "(0: one per core)")
+    p.add_argument("--execution", default="auto", choices=("auto", "reference", "cpu", "gpu"),
+                   help="execution plan preset (mvmoe_jax/execution.py; auto: the platform's); results do not depend "
+                        "on it")
+    p.add_argument("--execution_overrides", default="", help="plan fields, FIELD=VALUE,... (e.g. cpu_devices=1: "
+                   "JAX's single CPU device; 0: one per core)")
     return p
 
 
-def main(argv=None, *, setup_devices: bool = False) -> int:
-    """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_devices``: present
-    a CPU's cores as devices first (``--cpu_devices``), which must happen before JAX computes anything."""
+def main(argv=None, *, setup_process: bool = False) -> int:
+    """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_process``: first
+    the plan's huge pages (the process is started again with them) and a CPU's cores as devices, which must
+    happen before JAX computes anything."""
+    import jax
+
+    from mvmoe_jax import devices, execution, host_memory
     from mvmoe_jax.solve import api, search
 
     args = _parser(search.SEARCHES).parse_args(argv)
     try:
-        if setup_devices:
-            from mvmoe_jax import devices
-            devices.use_cpu_devices(args.cpu_devices, what="--cpu_devices")    # any count: chunks are dealt out
+        overrides = execution.parse_overrides(args.execution_overrides)
+        if setup_process:
+            cpu_devices, huge_pages = execution.process_settings(args.execution, overrides)
+            if huge_pages:
+                host_memory.restart_with_huge_pages()
+            devices.use_cpu_devices(cpu_devices, what="execution cpu_devices")    # any count: chunks are dealt out
+        plan = execution.plan_for(args.execution, jax.default_backend(), **overrides)
         report = api.solve(args.inputs, checkpoint=args.checkpoint, search=args.search, time_limit=args.time_limit,
                            rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
                            problem=args.problem, num_instances=args.num_instances, bks=args.bks,
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, execution=plan)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)
@@ -70,8 +81,8 @@ def main(argv=None, *, setup_devices: bool = False) -> int:
         return 2
     for size, name in report.models.items():
         print(f"n = {size}: model {name}")
-    for what, plan in report.plans.items():
-        print(f"{what}: {plan}")
+    for what, decode_plan in report.plans.items():
+        print(f"{what}: {decode_plan}")
     print(report.table())
     failed = [s for s in report.solutions if not s.feasible]
     for s in failed:
@@ -85,7 +96,4 @@ def main(argv=None, *, setup_devices: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    # First, before JAX starts: glibc's huge pages for XLA:CPU's buffers (host_memory.py).
-    from mvmoe_jax import host_memory
-    host_memory.restart_with_huge_pages()
-    sys.exit(main(setup_devices=True))
+    sys.exit(main(setup_process=True))

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mvmoe_jax import checker, precision
+from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.solve import outputs
@@ -157,11 +158,11 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
 def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple[str, PolicyConfig, dict]], *,
                    search: str = "greedy", settings: Settings = Settings(), seed: int = 0,
                    batch_size: int | None = None, progress: bool = False,
-                   on_solution: Callable[[Problem, Solution], None] | None = None
-                   ) -> tuple[list[Solution], dict[str, str], float]:
+                   on_solution: Callable[[Problem, Solution], None] | None = None,
+                   execution: ExecutionPlan | None = None) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
-    each is found."""
+    each is found. ``execution``: the execution plan (None: the default backend's preset)."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
     out: list[Solution | None] = [None] * len(problems)
@@ -173,7 +174,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         n = group[0].num_customers
         name, cfg, params = model_for(n)
         if name not in decoders:
-            decoders[name] = Decoder(cfg, params, settings)
+            decoders[name] = Decoder(cfg, params, settings, execution)
         size = batch_size or max(1, min(64, 3200 // n))
         size = min(size, len([p for p in problems if p.num_customers == n]))
         batch = stack([p.instance for p in group] + [group[0].instance] * (size - len(group)))
@@ -209,7 +210,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           rounds: int | None = None, samples: int = 8, max_starts: int | None = None, seed: int = 0,
           problem: str | None = None, num_instances: int | None = None, bks: str | None = None,
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
-          memory_budget: int | None = None) -> SolveReport:
+          memory_budget: int | None = None, execution: ExecutionPlan | None = None) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
@@ -217,7 +218,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     max_starts, memory_budget: ``search.Settings``. problem: the variant, when the data does not say it all
     (``inputs.state_variant``). num_instances: at most this many from each file of several. bks: a table of
     best-known values (BKS.json style). output: a folder for a ``.sol`` per instance (and with ``plot`` a
-    PNG) and ``summary.json``; None writes nothing.
+    PNG) and ``summary.json``; None writes nothing. execution: the execution plan (None: the default backend's
+    preset; results do not depend on it).
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
     none is left; CheckpointRequiredError (a ValueError) when no checkpoint is given and none ships.
@@ -251,7 +253,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
                                                      batch_size=batch_size, progress=progress,
-                                                     on_solution=_write(output, plot))
+                                                     on_solution=_write(output, plot), execution=execution)
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
                          models=names, plans=plans, compile_seconds=compile_s, seconds=0.0)
     report.seconds = time.perf_counter() - t_start

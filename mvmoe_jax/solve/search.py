@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from mvmoe_jax import rollout
 from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
+from mvmoe_jax.execution import ExecutionPlan, default_plan
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
@@ -157,11 +158,11 @@ def fit_to_memory(compile_at: Callable[[int, int], object], *, rows: int, starts
                              f"start at a time, more than the {budget / 2**30:.2f} GiB available")
 
 
-def _default_chunk(starts: int, rows: int, num_devices: int) -> int:
-    """Rows decoded at once before any memory limit: a CPU's cache-sized chunk (``rollout.default_chunk_size``),
-    an accelerator's whole share of the rows."""
+def _default_chunk(starts: int, rows: int, num_devices: int, plan: ExecutionPlan) -> int:
+    """Rows decoded at once before any memory limit: the plan's chunk (``rollout.chunk_instances``: a CPU's
+    cache-sized chunk), else the whole share of the rows."""
     share = -(-rows // num_devices)
-    chunk = rollout.default_chunk_size(starts)
+    chunk = rollout.chunk_instances(starts, plan.eval_chunk_trajectories)
     return share if chunk is None else min(chunk, share)
 
 
@@ -197,15 +198,15 @@ def _sample_rows(policy: Policy, params, rows: Instance, key: jax.Array, starts:
     return cost.reshape(-1)[:m], actions.reshape((-1, actions.shape[-1]))[:m]
 
 
-@partial(jax.jit, static_argnames=("cfg", "starts", "samples", "chunk", "num_devices"))
-def sampling_round(cfg: PolicyConfig, params, inst: Instance, key: jax.Array, *, starts: int, samples: int,
-                   chunk: int, num_devices: int) -> tuple[jax.Array, jax.Array]:
+@partial(jax.jit, static_argnames=("cfg", "plan", "starts", "samples", "chunk", "num_devices"))
+def sampling_round(cfg: PolicyConfig, plan: ExecutionPlan, params, inst: Instance, key: jax.Array, *, starts: int,
+                   samples: int, chunk: int, num_devices: int) -> tuple[jax.Array, jax.Array]:
     """One round for a batch (B): ``samples`` sampled rollouts from each of ``starts`` POMO starts on each of
     the 8 symmetric copies of each instance. Returns each instance's best: cost (B,), actions int32 (B, T)."""
     b = inst.locs.shape[0]
     flat = rollout.augmented_batch(inst)                                     # (8B, ...), augmentation-major
     rows = jax.tree.map(lambda x: jnp.concatenate([x] * samples), flat)      # (S 8B, ...): row r is instance r % B
-    cost, actions = _sample_rows(Policy(cfg), params, rows, key, starts, chunk, num_devices)
+    cost, actions = _sample_rows(Policy(cfg, plan), params, rows, key, starts, chunk, num_devices)
     cost = cost.reshape(-1, b)
     best = jnp.argmin(cost, axis=0)
     actions = actions.reshape(-1, b, actions.shape[-1])
@@ -221,8 +222,10 @@ class Decoder:
     """One model on this process's devices, with compiled greedy and sampling programs per batch shape, each
     sized to the memory budget (``fit_to_memory``)."""
 
-    def __init__(self, cfg: PolicyConfig, params, settings: Settings = Settings()):
+    def __init__(self, cfg: PolicyConfig, params, settings: Settings = Settings(),
+                 execution: ExecutionPlan | None = None):
         self.cfg, self.settings = cfg, settings
+        self.execution = execution or default_plan()
         self.num_devices = len(jax.local_devices())
         self.params = rollout.replicated(params)
         self.budget = settings.memory_budget or memory_budget_bytes()
@@ -232,7 +235,7 @@ class Decoder:
 
     def _cached(self, key: tuple, build):
         """A cached program whose plan fits this budget, else ``build()`` (timed)."""
-        key = (self.cfg, self.num_devices, jax.config.jax_default_matmul_precision) + key
+        key = (self.cfg, self.execution, self.num_devices, jax.config.jax_default_matmul_precision) + key
         if key in _COMPILED and _COMPILED[key][1].memory_bytes <= self.budget:
             return _COMPILED[key] + (0.0,)
         t0 = time.perf_counter()
@@ -246,10 +249,10 @@ class Decoder:
 
         def compile_at(chunk, p):
             return rollout.compile_greedy_evaluate(self.cfg, self.params, batch, rng, pomo_size=p, augment=True,
-                                                   chunk_size=chunk)
+                                                   chunk_size=chunk, plan=self.execution)
         return self._cached(("greedy", b, n, starts), lambda: fit_to_memory(
             compile_at, rows=8 * b, starts=starts, budget=self.budget,
-            chunk=_default_chunk(starts, 8 * b, self.num_devices), num_customers=n))
+            chunk=_default_chunk(starts, 8 * b, self.num_devices, self.execution), num_customers=n))
 
     def sampling_program(self, batch: Instance, starts: int):
         """(compiled sampling round, DecodePlan, seconds spent compiling now) for ``starts`` POMO starts."""
@@ -259,16 +262,16 @@ class Decoder:
         args = rollout.replicated((self.params, batch, jax.random.key(0)), self.num_devices)
 
         def compile_at(chunk, p):
-            return sampling_round.lower(self.cfg, *args, starts=p, samples=samples, chunk=chunk,
+            return sampling_round.lower(self.cfg, self.execution, *args, starts=p, samples=samples, chunk=chunk,
                                         num_devices=self.num_devices).compile()
         return self._cached(("sampling", b, n, starts, samples), lambda: fit_to_memory(
             compile_at, rows=rows, starts=starts, budget=self.budget,
-            chunk=_default_chunk(starts, rows, self.num_devices), num_customers=n))
+            chunk=_default_chunk(starts, rows, self.num_devices, self.execution), num_customers=n))
 
 
 def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 from every start (within the memory plan)."""
-    compiled, plan, compile_s = decoder.greedy_program(batch)
+    compiled, decode_plan, compile_s = decoder.greedy_program(batch)
     t0 = time.perf_counter()
     res = jax.device_get(compiled(decoder.params, batch, key))
     seconds = time.perf_counter() - t0
@@ -276,7 +279,7 @@ def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) 
         raise RuntimeError("some greedy rollouts did not finish within 2n steps")
     obj, actions = np.asarray(res.obj), np.asarray(res.best_actions)
     return BatchResult(cost=obj, actions=actions, greedy_cost=obj.copy(), greedy_actions=actions.copy(), rounds=0,
-                       seconds=seconds, compile_seconds=compile_s, plans={"greedy": plan})
+                       seconds=seconds, compile_seconds=compile_s, plans={"greedy": decode_plan})
 
 
 def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
@@ -287,9 +290,9 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     if max_rounds is None and settings.time_limit is None:
         max_rounds = DEFAULT_ROUNDS
     budget = None if settings.time_limit is None else settings.time_limit * real
-    compiled, plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts)
+    compiled, decode_plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts)
     result.compile_seconds += compile_s
-    result.plans["sampling"] = plan
+    result.plans["sampling"] = decode_plan
     params, batch = rollout.replicated((decoder.params, batch), decoder.num_devices)
     round_key = jax.random.fold_in(key, 1)
     last = None

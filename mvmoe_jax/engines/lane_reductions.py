@@ -1,5 +1,6 @@
-"""Reductions over a decoding step's node axis in lanes: the greedy choice's maximum and first index, and
-sampling's first node past its threshold (``rollout.first_argmax``, ``rollout.first_true``).
+"""Reductions over a decoding step's node axis in lanes (plan field ``lane_reductions``), for the greedy
+choice's maximum and first index and sampling's first node past its threshold (``rollout.first_argmax``,
+``rollout.first_true``; reference: ``jnp.max`` / ``jnp.min`` over the last axis).
 
 XLA:CPU hands a maximum or minimum over a short last axis (a step's 51 or 101 nodes) to YNNPACK, which runs
 it at a fraction of its speed on long rows. Combining the row's 16-wide slices elementwise first (one loop
@@ -12,25 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Whether ``reduces_in_lanes`` says yes: True, False, or None for the backend's choice (a CPU). Read at trace
-# time.
-LANE_REDUCTIONS: bool | None = None
 # Width of the lanes: 16 float32, one AVX-512 vector.
 REDUCTION_LANES = 16
 
 _REDUCTIONS = {jnp.maximum: jnp.max, jnp.minimum: jnp.min}
 
 
-def reduces_in_lanes(num_nodes: int) -> bool:
-    """Whether a reduction over a last axis of ``num_nodes`` runs in lanes (``lane_reduce``;
-    ``LANE_REDUCTIONS`` overrides): on a CPU, for rows of at least two lanes (32 nodes); shorter rows, one
-    lane and a remainder, gain nothing (see docs/performance.md, "Lane reductions"). Accelerators keep the
-    plain reduction, the form their figures were measured with."""
-    if num_nodes < 2 * REDUCTION_LANES:
-        return False
-    if LANE_REDUCTIONS is not None:
-        return LANE_REDUCTIONS
-    return jax.default_backend() == "cpu"
+def reduces_in_lanes(num_nodes: int, lanes: bool) -> bool:
+    """Whether a reduction over a last axis of ``num_nodes`` runs in lanes (``lane_reduce``): where the plan
+    asks for it (``lanes``), for rows of at least two lanes (32 nodes); shorter rows, one lane and a remainder,
+    gain nothing (see docs/performance.md, "Lane reductions")."""
+    return lanes and num_nodes >= 2 * REDUCTION_LANES
 
 
 def lane_reduce(x: jax.Array, op) -> jax.Array:
@@ -51,9 +44,9 @@ def lane_reduce(x: jax.Array, op) -> jax.Array:
     return out
 
 
-def node_reduce(x: jax.Array, op) -> jax.Array:
+def node_reduce(x: jax.Array, op, lanes: bool) -> jax.Array:
     """``x`` (..., N) reduced over its last axis by ``op`` (as ``lane_reduce``), without the axis: (...,). In
-    lanes where ``reduces_in_lanes`` says so, else the plain reduction."""
-    if reduces_in_lanes(x.shape[-1]):
+    lanes where ``reduces_in_lanes(N, lanes)`` says so, else the plain reduction."""
+    if reduces_in_lanes(x.shape[-1], lanes):
         return lane_reduce(x, op)[..., 0]
     return _REDUCTIONS[op](x, axis=-1)
