@@ -6,7 +6,7 @@ the batch at every step (1,600 trajectories for 32 instances of n = 50). On a CP
 and a device that decodes its own instances needs no collective at any step. ``chunked_sampling`` decodes
 each device's instances in chunks of that size, one after another, and returns what the whole-batch rollout
 returns: the same sampled actions, log-likelihoods, costs, step count and record of the decoder's inputs
-(``RolloutOutput``), so that the backward pass (``training.stepwise_gradients``) is unchanged. "The same" up to
+(``RolloutOutput``), so that the backward pass (``engines.stepwise_backward.stepwise_gradients``) is unchanged. "The same" up to
 the float rounding of products over fewer rows (1e-6 relative in the tests, bitwise on a two-device mesh there),
 which can flip a sampled choice whose uniform lies within that rounding of a node's cumulative probability.
 

@@ -53,6 +53,16 @@ class RolloutOutput:
     decoder: DecoderRecord | None = None
 
 
+def trajectory_shardings(mesh: Mesh, decoder: bool = False) -> RolloutOutput:
+    """Batch-sharded placement of a recorded rollout (the batch axis is 0, or 1 after a step axis), with
+    or without the decoder record (``rollout(..., record_decoder=True)``)."""
+    batch0, batch1, rep = (NamedSharding(mesh, P(DATA_AXIS)), NamedSharding(mesh, P(None, DATA_AXIS)),
+                           NamedSharding(mesh, P()))
+    return RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
+                         aux_loss=rep, num_steps=rep, masks=batch1, dynamic=batch1, active=batch1,
+                         decoder=DecoderRecord(batch1, batch1, batch1) if decoder else None)
+
+
 def num_starts(num_customers: int, has_backhaul, pomo_size: int):
     """Number of POMO starts per instance (int array broadcast like ``has_backhaul``)."""
     full = min(pomo_size, num_customers)

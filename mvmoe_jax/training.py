@@ -1,39 +1,15 @@
-"""REINFORCE with the POMO shared baseline: sampling, the backward pass, the loss and the train step.
+"""A training step: the optimiser, its state, the batches, and the step's programs on a device mesh.
 
-How gradients flow through a rollout. ``rollout.rollout`` decodes under ``lax.while_loop``, which JAX
-cannot reverse-differentiate, and decoding 2n steps under a differentiable ``lax.scan`` would pay for the
-longest possible tour every time. A training step therefore runs in two parts (two jitted calls, or with
-the stepwise backward one program, ``sample_and_train_step``, whose encoder pass serves both):
-
-1. ``sample_trajectories`` (no gradient): ``rollout.rollout(..., decode_type='sampling', train=True,
-   record=True)``, the inference rollout, which also records what the decoder saw at every step (the
-   feasibility mask and the dynamic features; the current node is the previous action) and returns the
-   number of decoding steps the batch needed. Where the plan says so (``sampling_chunk_trajectories``)
-   ``sample_and_train_step`` decodes each device's instances a few at a time instead (``chunked_sampling``;
-   same trajectories and record, see ``sampling_chunk``).
-2. ``train_step`` (gradient), in one of two ways (the execution plan's ``backward``); both re-run the decoder on
-   the recorded inputs (teacher forcing) with the same per-step keys (``rollout.decoding_keys``: the same
-   MoE gating noise and MVMoE-L branch draws), so the log-likelihood they differentiate equals the
-   sampling pass's (tested) and the gradient is the REINFORCE gradient of the sampled trajectories:
-
-   - ``stepwise_gradients`` (the default): the loss is linear in each step's log-probability, so its
-     gradient is a sum of per-step vector-Jacobian products. A ``lax.while_loop`` over exactly the steps
-     the batch needed runs each step under ``jax.vjp`` and accumulates the cotangents; one compilation
-     serves every length, and there is no forward replay before the backward pass.
-   - ``replay``: the decoder is replayed as a whole and differentiated with
-     ``jax.grad``, for a static number of steps T rounded up from the steps actually needed to a bucket
-     (so only a handful of shapes ever compile). Since every step's inputs are known up front, the steps
-     are independent: they run as one vmapped batch per chunk of ``replay_chunk`` steps (``lax.map``),
-     which gives the accelerator large matmuls instead of T tiny sequential ones; ``replay_remat``
-     recomputes each chunk in the backward pass to bound memory. Slower than stepwise on a CPU and on a
-     GPU, in several times the memory (see docs/performance.md, "Stepwise backward").
-
-Loss (reference ``Trainer._train_one_batch``): ``reward = -cost``; per instance the baseline is the mean
-reward over its valid POMO starts; ``loss = mean over valid (instance, start) of -(reward - baseline) *
-log_likelihood + w * aux``, ``aux`` the MoE load-balancing loss of the encoder plus every decoding step as
-the rollout returns it (already weighted by the MoE layers' ``loss_coef`` = 1e-3, like the reference's
-``model.aux_loss``) and ``w = StepSettings.aux_loss_coef`` (the training loop sets it to the config's
-alpha / 1e-3). Padded POMO starts (mixed batches with backhaul variants) are excluded from both means.
+The algorithm is in ``mvmoe_jax.reinforce`` (sample, teacher-forced replay, REINFORCE loss with the POMO
+baseline, ``jax.grad``). ``train_step`` applies optax to that gradient, or, under the execution plan's
+``backward=stepwise``, to the same gradient taken one decoding step at a time
+(``engines.stepwise_backward``); ``sample_and_train_step`` then runs sampling and update as one program whose
+encoder pass serves both, decoding each device's instances a few at a time where the plan says so
+(``chunked_sampling``) and taking the backward pass's products from the sampling pass's record where it says
+so (``reuses_sampling_pass``). ``StepFunctions`` jits these over a one-axis data mesh. The replay is
+differentiated for a static number of steps rounded up to a bucket, so only a handful of shapes compile; it
+runs ``replay_chunk`` steps at a time (vmapped), with ``replay_remat`` recomputing each chunk in the backward
+pass to bound memory.
 """
 
 from __future__ import annotations
@@ -53,10 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mvmoe_jax import execution, problems
 from mvmoe_jax.chunked_sampling import chunked_sampling, sampling_chunk_size
 from mvmoe_jax.devices import DATA_AXIS, make_mesh, program_memory_bytes  # noqa: F401  (make_mesh: API)
-from mvmoe_jax.instances import Instance, generate, generate_instance
 from mvmoe_jax.execution import ExecutionPlan
+from mvmoe_jax.instances import Instance, generate, generate_instance
+from mvmoe_jax.engines.stepwise_backward import encoder_vjp, stepwise_gradients
 from mvmoe_jax.nn.policy import DecoderRecord, Policy, PolicyConfig, decoder_record_floats
-from mvmoe_jax.rollout import RolloutOutput, decoding_keys, rollout, step_keys
+from mvmoe_jax.reinforce import (max_decoding_steps, reinforce_gradients, reinforce_loss, replay_bucket,
+                                 sample_trajectories)
+from mvmoe_jax.rollout import RolloutOutput, rollout, trajectory_shardings
 
 # Largest decoder record (per device) that ``reuse_sampling='auto'`` keeps: see ``reuses_sampling_pass``.
 DECODER_RECORD_BUDGET_BYTES = 1 << 30
@@ -64,242 +43,6 @@ DECODER_RECORD_BUDGET_BYTES = 1 << 30
 
 class NonFiniteError(RuntimeError):
     """A training step produced a non-finite loss or gradient."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampling with a record of the decoder's inputs
-# ----------------------------------------------------------------------------------------------------
-
-def trajectory_shardings(mesh: Mesh, decoder: bool = False) -> RolloutOutput:
-    """Batch-sharded placement of a recorded rollout (the batch axis is 0, or 1 after a step axis), with
-    or without the decoder record (``rollout(..., record_decoder=True)``)."""
-    batch0, batch1, rep = (NamedSharding(mesh, P(DATA_AXIS)), NamedSharding(mesh, P(None, DATA_AXIS)),
-                           NamedSharding(mesh, P()))
-    return RolloutOutput(actions=batch0, log_likelihood=batch0, cost=batch0, valid=batch0, finished=batch0,
-                         aux_loss=rep, num_steps=rep, masks=batch1, dynamic=batch1, active=batch1,
-                         decoder=DecoderRecord(batch1, batch1, batch1) if decoder else None)
-
-
-def max_decoding_steps(num_customers: int, bucket: int) -> int:
-    """Length of the recording: 2n steps (a depot visit per customer at most), rounded up to a bucket."""
-    return -(-2 * num_customers // bucket) * bucket
-
-
-def replay_bucket(num_customers: int, bucket: int = 0) -> int:
-    """Granularity of the replay length: ``bucket`` if given, else ceil(n/4), so that a problem size sees a
-    few distinct lengths (compilations) and pads at most n/4 steps."""
-    return bucket if bucket > 0 else -(-num_customers // 4)
-
-
-def sample_trajectories(policy: Policy, params, inst: Instance, rng: jax.Array, *, pomo_size: int,
-                        max_steps: int, record_decoder: bool = False) -> RolloutOutput:
-    """Sample every POMO start of every instance in training mode (MoE gating noise on), recording the
-    decoder's inputs at each of ``max_steps`` steps for ``replay`` (with ``record_decoder`` also what
-    ``stepwise_gradients`` can take instead of recomputing, see ``reuses_sampling_pass``). jit-compatible
-    (``policy``, ``pomo_size``, ``max_steps``, ``record_decoder`` static)."""
-    return rollout(policy, params, inst, pomo_size=pomo_size, decode_type="sampling", rng=rng, train=True,
-                   max_steps=max_steps, record=True, record_decoder=record_decoder)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Differentiable replay and the loss
-# ----------------------------------------------------------------------------------------------------
-
-def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int,
-           chunk: int = 8, remat: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Teacher-forced decoding of the recorded trajectories over their first ``num_steps`` (static)
-    steps: (log-likelihood (B, P), auxiliary loss ()), differentiable in ``params``.
-
-    ``num_steps`` must cover ``traj.num_steps``; steps past it contribute neither log-probability nor
-    auxiliary loss. ``rng`` is the key the trajectories were sampled with.
-    """
-    cfg = policy.cfg
-    k_enc, keys = decoding_keys(rng, num_steps)
-    emb, aux_enc = policy.apply(params, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-    cache = policy.apply(params, emb, False, method=Policy.precompute)      # no query fusion: see precompute
-    current = jnp.moveaxis(traj.actions[..., :num_steps], -1, 0)              # (T, B, P)
-    chosen = jnp.moveaxis(traj.actions[..., 1:num_steps + 1], -1, 0)          # (T, B, P)
-
-    def decode(key, cur, dyn, mask, gate_probs):
-        return policy.apply(params, cache, cur, dyn, mask, gate_probs, True, method=Policy.decode,
-                            rngs={"gating": step_keys(key)[0]})
-
-    gate_probs = None
-    if cfg.hierarchical:
-        # MVMoE-L's dense-or-sparse probabilities come from the first step and serve every step (the
-        # gradient reaches the gate through all of them, as in the sequential rollout).
-        gate_probs = decode(keys[0], current[0], traj.dynamic[0], traj.masks[0], None)[2]
-
-    def one_step(xs):
-        t, key, cur, dyn, mask, act, active = xs
-        logp, aux_t, _ = decode(key, cur, dyn, mask, gate_probs)
-        picked = jnp.take_along_axis(logp, act[..., None], axis=-1)[..., 0]
-        return jnp.where(active, picked, 0.0), jnp.where(t < traj.num_steps, aux_t, 0.0)
-
-    if remat:
-        one_step = jax.checkpoint(one_step)
-    xs = (jnp.arange(num_steps), keys, current, traj.dynamic[:num_steps], traj.masks[:num_steps], chosen,
-          traj.active[:num_steps])
-    ll, aux = jax.lax.map(one_step, xs, batch_size=min(chunk, num_steps))
-    return ll.sum(0), aux_enc + aux.sum()
-
-
-def encoder_vjp(policy: Policy, params, inst: Instance, rng: jax.Array):
-    """``((cache, aux), vjp)``: the training-mode encoder and the decoder's precomputation without the
-    query fusion (see ``Policy.precompute``), as a function of ``params``, run under ``jax.vjp`` with the
-    encoder key a rollout from ``rng`` uses."""
-    k_enc, _ = decoding_keys(rng, 1)
-
-    def encoder(p):
-        emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-        return policy.apply(p, emb, False, method=Policy.precompute), aux
-
-    return jax.vjp(encoder, params)
-
-
-def steps_run_per_device(cfg: PolicyConfig, mesh: Mesh | None) -> bool:
-    """Whether ``stepwise_gradients`` runs its loop over decoding steps on each device's share of the batch
-    by itself (``shard_map``; one all-reduce of the decoder's gradient after the loop) rather than as one
-    loop over the sharded batch, which XLA synchronises at every step: an all-reduce of that step's
-    decoder gradient, and with a decoder MoE one of its importance and load sums. Only for models whose
-    decoding steps use no statistic of the whole batch (no MoE in the decoder, hence no MVMoE-L gate):
-    their gradient is the same either way, up to the order of float sums. The MoE models' decoders would
-    need those statistics passed in from the sampling pass to run per device exactly, which was no faster
-    (see docs/performance.md, "Stepwise backward")."""
-    return mesh is not None and mesh.devices.size > 1 and not cfg.moe_at("Dec")
-
-
-def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_weight: jax.Array,
-                    aux_weight: jax.Array, score_tables=None):
-    """``f(t, params, cache, gate_probs) -> ((objective, gate_probs), (picked, aux_t))``: the weighted
-    log-probability of step t's recorded action plus the weighted aux loss, for ``jax.vjp``.
-    ``score_tables``: (node_scores, feature_scores) of the query fusion, without gradient, from which each
-    step's attention scores are gathered instead of computed (see ``Policy.decoder_attention``). With a
-    decoder record in ``traj`` each step takes its attention and readout products from it instead."""
-
-    def step_objective(t, p, c, gate_probs):
-        if score_tables is not None:
-            c = c.replace(node_scores=score_tables[0], feature_scores=score_tables[1])
-        given = None if traj.decoder is None else jax.tree.map(lambda x: x[t], traj.decoder)
-        logp, aux_t, gate_probs = policy.apply(
-            p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True, given=given,
-            method=Policy.decode, rngs={"gating": step_keys(keys[t])[0]})
-        picked = jnp.take_along_axis(logp, traj.actions[:, :, t + 1, None], axis=-1)[..., 0]
-        picked = jnp.where(traj.active[t], picked, 0.0)
-        objective = jnp.sum(ll_weight * picked) + aux_weight * aux_t
-        return (objective, gate_probs), (picked, aux_t)
-
-    return step_objective
-
-
-def _accumulate_steps(step_objective, params, cache, gate_probs: jax.Array, first, num_steps, ll, aux):
-    """Steps ``first`` .. ``num_steps - 1`` under ``jax.vjp``, one at a time (``lax.while_loop``): the summed
-    cotangents of (params, cache, gate_probs), and ``ll``, ``aux`` plus each step's picked log-probabilities
-    and aux loss."""
-
-    def body(carry):
-        t, g_params, g_cache, g_gate, ll, aux = carry
-        (_, _), vjp_t, (picked, aux_t) = jax.vjp(
-            lambda p, c, g: step_objective(t, p, c, g), params, cache, gate_probs, has_aux=True)
-        dp, dc, dg = vjp_t((jnp.float32(1.0), jnp.zeros_like(gate_probs)))
-        return (t + 1, jax.tree.map(jnp.add, g_params, dp), jax.tree.map(jnp.add, g_cache, dc), g_gate + dg,
-                ll + picked, aux + aux_t)
-
-    zeros = partial(jax.tree.map, jnp.zeros_like)
-    carry = (jnp.int32(first), zeros(params), zeros(cache), jnp.zeros_like(gate_probs), ll, aux)
-    _, g_params, g_cache, g_gate, ll, aux = jax.lax.while_loop(lambda c: c[0] < num_steps, body, carry)
-    return g_params, g_cache, g_gate, ll, aux
-
-
-def _steps_per_device(policy: Policy, params, cache, traj: RolloutOutput, keys: jax.Array, ll_weight: jax.Array,
-                      aux_weight: jax.Array, mesh: Mesh, score_tables=None):
-    """``_accumulate_steps`` over all steps on each device's share of the batch (see ``steps_run_per_device``):
-    (params cotangent summed over devices, cache cotangent (sharded), log-likelihood (B, P), aux)."""
-    batch0 = P(DATA_AXIS)
-    traj_specs = jax.tree.map(lambda sharding: sharding.spec,
-                              trajectory_shardings(mesh, decoder=traj.decoder is not None))
-    cache_specs = jax.tree.map(lambda _: batch0, cache)
-
-    def local(params, cache, traj, ll_weight, aux_weight, keys, score_tables):
-        step_objective = _step_objective(policy, traj, keys, ll_weight, aux_weight, score_tables)
-        no_gate = jnp.zeros((2,), jnp.float32)          # no MVMoE-L gate here (steps_run_per_device)
-        ll = jnp.zeros(traj.actions.shape[:2], jnp.float32)
-        g_params, g_cache, _, ll, aux = _accumulate_steps(step_objective, params, cache, no_gate, 0,
-                                                          traj.num_steps, ll, jnp.float32(0.0))
-        return jax.lax.psum(g_params, DATA_AXIS), g_cache, ll, jax.lax.psum(aux, DATA_AXIS)
-
-    # check_vma off: the per-device params cotangents are summed explicitly above.
-    table_specs = jax.tree.map(lambda _: batch0, score_tables)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(P(), cache_specs, traj_specs, batch0, P(), P(), table_specs),
-                        out_specs=(P(), cache_specs, batch0, P()), check_vma=False)
-    return run(params, cache, traj, ll_weight, aux_weight, keys, score_tables)
-
-
-def stepwise_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array,
-                       ll_weight: jax.Array, aux_weight: jax.Array, encoded=None, mesh: Mesh | None = None
-                       ) -> tuple[Any, jax.Array, jax.Array]:
-    """Gradient in ``params`` of ``sum(ll_weight * log_likelihood) + aux_weight * aux`` over the recorded
-    trajectories, taken one decoding step at a time: (gradient, log-likelihood (B, P), aux ()).
-
-    The REINFORCE loss is linear in the per-step log-probabilities, so its gradient is a sum over steps of
-    one step's vector-Jacobian product. This runs the encoder once under ``jax.vjp``, then a
-    ``lax.while_loop`` over exactly the ``traj.num_steps`` steps the batch needed (no padding to a bucket,
-    no compile per length) that re-runs each step's decoder under ``jax.vjp`` and accumulates the cotangents
-    of the parameters and of the decoder cache; the cache's cotangent then goes back through the encoder.
-    Nothing is stored across steps, and unlike ``replay`` no separate forward pass precedes the backward
-    one. MVMoE-L's dense-or-MoE probabilities come from step 0 and serve every step: their cotangents are
-    summed over steps 1.. and passed back through step 0, which runs last.
-
-    ll_weight: (B, P) d loss / d log-likelihood; aux_weight: () d loss / d aux. ``rng`` is the key the
-    trajectories were sampled with. ``encoded``: ``encoder_vjp(policy, params, inst, rng)`` when the caller
-    already ran it (``sample_and_train_step``). ``mesh``: the data mesh the batch is sharded over, where
-    the loop may run per device (``steps_run_per_device``). jit-compatible (``policy``, ``mesh`` static).
-
-    With the query fusion (the plan's ``fused_query``) each step gathers its attention scores from the fusion's
-    tables, computed once here without gradient, instead of multiplying queries and keys again; the
-    gradient flows through the hoisted query and the keys as before (``attention_with_given_scores``): a
-    small gain on a CPU (see docs/performance.md, "Fused readout and query"). The tables are the query
-    fusion's, B x H x N x N floats (10 MB per 32 instances at n = 100).
-    """
-    _, keys = decoding_keys(rng, traj.masks.shape[0])
-    (cache, aux_enc), backward_encoder = encoder_vjp(policy, params, inst, rng) if encoded is None else encoded
-    score_tables = None
-    if policy.plan.fused_query and traj.decoder is None:
-        tables = jax.lax.stop_gradient(policy.apply(params, cache, method=Policy.with_query_scores))
-        score_tables = (tables.node_scores, tables.feature_scores)
-    if steps_run_per_device(policy.cfg, mesh):
-        g_params, g_cache, ll, aux_dec = _steps_per_device(policy, params, cache, traj, keys, ll_weight,
-                                                           aux_weight, mesh, score_tables)
-        (de,) = backward_encoder((g_cache, aux_weight))
-        return jax.tree.map(jnp.add, g_params, de), ll, aux_enc + aux_dec
-
-    step_objective = _step_objective(policy, traj, keys, ll_weight, aux_weight, score_tables)
-    # Step 0 first, forward only: it yields MVMoE-L's gate probabilities for the others (zeros elsewhere).
-    (_, gate_probs), step0_vjp, (ll, aux_dec) = jax.vjp(
-        lambda p, c: step_objective(0, p, c, None), params, cache, has_aux=True)
-    hierarchical = gate_probs is not None
-    if not hierarchical:
-        gate_probs = jnp.zeros((2,), jnp.float32)
-    g_params, g_cache, g_gate, ll, aux_dec = _accumulate_steps(step_objective, params, cache, gate_probs, 1,
-                                                               traj.num_steps, ll, aux_dec)
-    dp, dc = step0_vjp((jnp.float32(1.0), g_gate if hierarchical else None))
-    (de,) = backward_encoder((jax.tree.map(jnp.add, g_cache, dc), aux_weight))
-    grads = jax.tree.map(lambda a, b, c: a + b + c, g_params, dp, de)
-    return grads, ll, aux_enc + aux_dec
-
-
-def reinforce_loss(log_likelihood: jax.Array, cost: jax.Array, valid: jax.Array, aux_loss: jax.Array,
-                   aux_loss_coef: float) -> tuple[jax.Array, jax.Array]:
-    """(total loss, policy-gradient part) with the POMO shared baseline over the valid starts.
-
-    log_likelihood, cost, valid: (B, P). The advantage is a constant (costs come from the sampling pass).
-    """
-    reward = jnp.where(valid, -cost, 0.0)
-    count = jnp.maximum(valid.sum(-1, keepdims=True), 1)
-    advantage = jnp.where(valid, reward - reward.sum(-1, keepdims=True) / count, 0.0)
-    advantage = jax.lax.stop_gradient(advantage)
-    pg = -jnp.sum(advantage * log_likelihood) / jnp.maximum(valid.sum(), 1)
-    return pg + aux_loss_coef * aux_loss, pg
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -389,10 +132,10 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     ``encoded``: the stepwise backward's encoder pass, when the caller already ran it. ``mesh``: the data
     mesh of the batch (see ``stepwise_gradients``)."""
 
-    def loss_of(ll, aux):
-        return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
-
     if policy.plan.backward == "stepwise":
+        def loss_of(ll, aux):
+            return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
+
         # The loss is linear in (ll, aux): its partial derivatives weigh the per-step gradients.
         ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
             traj.log_likelihood, traj.aux_loss)
@@ -400,13 +143,9 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
                                             encoded=encoded, mesh=mesh)
         loss, pg = loss_of(ll, aux)
     else:
-        def loss_fn(params):
-            ll, aux = replay(policy, params, inst, traj, rng, num_steps=num_steps, chunk=settings.replay_chunk,
-                             remat=settings.replay_remat)
-            loss, pg = loss_of(ll, aux)
-            return loss, (pg, aux, ll)
-
-        (loss, (pg, aux, ll)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        (loss, (pg, aux, ll)), grads = reinforce_gradients(
+            policy, state.params, inst, traj, rng, num_steps=num_steps, aux_loss_coef=settings.aux_loss_coef,
+            chunk=settings.replay_chunk, remat=settings.replay_remat)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),

@@ -3,7 +3,6 @@ resume, the sharded step and non-finite losses (train.py's command line: test_tr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,8 +17,9 @@ import pytest
 from conftest import REPO_ROOT
 from configs import demo
 from configs.common import model_config
-from mvmoe_jax import checkpoints, execution, instances, rollout, training, training_loop, training_validation
-from mvmoe_jax.engines import attention as attention_engines
+from mvmoe_jax import (checkpoints, execution, instances, reinforce, rollout, training, training_loop,
+                       training_validation)
+from mvmoe_jax.engines import attention as attention_engines, stepwise_backward
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
 # The CPU preset: the fast paths whose gradients these tests compare with the replay's.
@@ -76,7 +76,7 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     ref = jax.jit(lambda p, i, r: rollout.rollout(policy, p, i, pomo_size=N, decode_type="sampling", rng=r,
                                                   train=True))(params, inst, rng)
     # 44 recorded steps (2n = 40 suffice), replayed in chunks of 8: a remainder chunk and padded steps.
-    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=44))(
+    traj = jax.jit(lambda p, i, r: reinforce.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=44))(
         params, inst, rng)
     t = int(traj.num_steps)
     assert t <= 40
@@ -85,7 +85,7 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     np.testing.assert_array_equal(traj.aux_loss, ref.aux_loss)
     np.testing.assert_array_equal(traj.valid, ref.valid)
     assert not traj.valid.all()
-    ll, aux = jax.jit(lambda p, i, tr, r: training.replay(policy, p, i, tr, r, num_steps=44, chunk=8))(
+    ll, aux = jax.jit(lambda p, i, tr, r: reinforce.replay(policy, p, i, tr, r, num_steps=44, chunk=8))(
         params, inst, traj, rng)
     np.testing.assert_allclose(ll, traj.log_likelihood, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(aux, traj.aux_loss, rtol=1e-5, atol=1e-9)
@@ -107,19 +107,19 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
     policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
-    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
+    traj = jax.jit(lambda p, i, r: reinforce.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
                                                                 record_decoder=recorded))(params, inst, rng)
     assert (traj.decoder is not None) == recorded
     coef = 10.0
 
     def replayed_loss(p):
-        ll, aux = training.replay(policy, p, inst, traj, rng, num_steps=40, chunk=8)
-        return training.reinforce_loss(ll, traj.cost, traj.valid, aux, coef)[0]
+        ll, aux = reinforce.replay(policy, p, inst, traj, rng, num_steps=40, chunk=8)
+        return reinforce.reinforce_loss(ll, traj.cost, traj.valid, aux, coef)[0]
 
     def stepwise(p):
-        w_ll, w_aux = jax.grad(lambda ll, aux: training.reinforce_loss(ll, traj.cost, traj.valid, aux, coef)[0],
+        w_ll, w_aux = jax.grad(lambda ll, aux: reinforce.reinforce_loss(ll, traj.cost, traj.valid, aux, coef)[0],
                                argnums=(0, 1))(traj.log_likelihood, traj.aux_loss)
-        return training.stepwise_gradients(policy, p, inst, traj, rng, w_ll, w_aux)
+        return stepwise_backward.stepwise_gradients(policy, p, inst, traj, rng, w_ll, w_aux)
 
     expected = jax.jit(jax.grad(replayed_loss))(params)
     grads, ll, aux = jax.jit(stepwise)(params)
@@ -141,7 +141,7 @@ def test_decoder_record_size_and_when_it_is_kept():
     cfg = tiny_policy("mvmoe_light")
     policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
-    traj = jax.jit(lambda p, i, r: training.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
+    traj = jax.jit(lambda p, i, r: reinforce.sample_trajectories(policy, p, i, r, pomo_size=N, max_steps=40,
                                                                 record_decoder=True))(params, mixed_batch(), jax.random.key(3))
     recorded = sum(x.nbytes for x in jax.tree.leaves(traj.decoder))
     assert recorded == training.decoder_record_bytes(cfg, CPU, 8 * N, N + 1, 40)
@@ -384,7 +384,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monk
 SHARDED_SCRIPT = r"""
 import dataclasses, json, sys, jax, numpy as np, optax
 from mvmoe_jax import execution, training, training_loop
-from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.engines import stepwise_backward
+from mvmoe_jax.nn.policy import PolicyConfig
 base = PolicyConfig(model="mvmoe_light", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
                     expert_loc=("Enc0", "Dec"))
 out = {"devices": len(jax.devices())}
@@ -414,7 +415,7 @@ for opt_name in sys.argv[1].split(","):
                                                                      jax.tree.leaves(s2.params))),
         "score": [float(m1["score"]), float(m2["score"])], "loss": [float(m1["loss"]), float(m2["loss"])],
         "replicated": sharding.is_fully_replicated, "mesh": str(sharding.mesh.shape),
-        "per_device": [training.steps_run_per_device(cfg, training.make_mesh(d))
+        "per_device": [stepwise_backward.steps_run_per_device(cfg, training.make_mesh(d))
                        for d in (jax.devices()[:1], jax.devices())],
         "record": training.records_decoder(fns.policy, fns.settings, fns.batch(jax.random.key(7), 8),
                                            fns.max_steps, fns.mesh)}

@@ -196,7 +196,7 @@ class DecoderCache:
 class DecoderRecord:
     """What a decoding step computed that its backward pass needs again, recorded by the sampling pass so
     that training's backward pass does not recompute it (``Policy.decode(..., keep_record=True)``, then
-    ``given=``; see ``training.stepwise_gradients``).
+    ``given=``; see ``engines.stepwise_backward.stepwise_gradients``).
 
     attention_weights: the softmax weights of the multi-head attention, float32, (B, H, N, P) or (B, H, P, N)
       as records keep them (``engines.attention.kept_layout``).
