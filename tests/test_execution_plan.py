@@ -123,7 +123,15 @@ def reference_step(params, batch):
     return _training_step(REFERENCE, params, batch)
 
 
-@pytest.mark.parametrize("field", sorted(FIELD_CASES))
+# Fields that only forward-only passes read (inference, validation): the training step compiles to the
+# reference's program. Their cases run with the slow tests; the others in the default suite.
+FORWARD_ONLY = ("gates_by_rank", "grouped_by_expert", "score_bound_instances", "mix_maps_elementwise",
+                "normalise_after_product", "eval_chunk_trajectories", "encoder_tokens", "query_table_multiple",
+                "query_table_max_columns")
+
+
+@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in FORWARD_ONLY else f
+                                   for f in sorted(FIELD_CASES)])
 def test_one_field_takes_the_reference_training_step(field, params, batch, reference_step):
     """The same sampled tours (equal mean cost) and, for every parameter, the reference's gradient."""
     score, grads = _training_step(REFERENCE.replace(**FIELD_CASES[field]), params, batch)

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO_ROOT
 from mvmoe_jax import devices, env, execution, instances, rollout, training
 from mvmoe_jax.engines import attention as attention_engines
-from mvmoe_jax.engines import lane_reductions
+from mvmoe_jax.engines import lane_reductions, query_tables
 from mvmoe_jax.engines import readout as readout_engines
 from mvmoe_jax.nn import attention
 from mvmoe_jax.nn import policy as policy_lib
@@ -747,11 +747,11 @@ def test_query_table_width_rounds_up_to_the_multiple():
     """The CPU preset pads the tables to a multiple of 8 columns up to 128 columns; the other presets leave
     them as they are; without a cap (``query_table_max_columns`` 0) the multiple applies at every size."""
     sizes = (21, 51, 101, 104, 121, 128, 129, 201)
-    assert tuple(policy_lib.query_table_width(n, CPU) for n in sizes) == (24, 56, 104, 104, 128, 128, 129, 201)
+    assert tuple(query_tables.query_table_width(n, CPU) for n in sizes) == (24, 56, 104, 104, 128, 128, 129, 201)
     for plan in (execution.gpu(), execution.reference()):
-        assert tuple(policy_lib.query_table_width(n, plan) for n in sizes) == sizes
+        assert tuple(query_tables.query_table_width(n, plan) for n in sizes) == sizes
     uncapped = CPU.replace(query_table_multiple=16, query_table_max_columns=0)
-    assert (policy_lib.query_table_width(101, uncapped), policy_lib.query_table_width(201, uncapped)) == (112, 208)
+    assert (query_tables.query_table_width(101, uncapped), query_tables.query_table_width(201, uncapped)) == (112, 208)
     with pytest.raises(ValueError, match="query_table_multiple"):
         CPU.replace(query_table_multiple=0)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mvmoe_jax.engines import attention as attention_engines
+from mvmoe_jax.engines import attention as attention_engines, query_tables
 from mvmoe_jax.engines.readout import padded_readout_nodes, readout_product, readout_product_given
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance
@@ -117,20 +117,6 @@ def fuses_readout(cfg: PolicyConfig, plan: ExecutionPlan) -> bool:
                                           or plan.moe_dispatch in ("dense", "grouped_mlp", "grouped")))
 
 
-def query_table_width(num_nodes: int, plan: ExecutionPlan) -> int:
-    """Columns of the query fusion's score tables and padded values where ``Policy.precompute`` pads them for
-    forward-only decoding: ``num_nodes`` rounded up to the plan's ``query_table_multiple`` where that gives at
-    most ``query_table_max_columns`` columns (0: any), else unchanged. The padding columns are masked off, so
-    each step's exponentials, row sums and value products see exact zeros there: the same sums, to float32
-    rounding. A step's loops and YNNPACK's value products run faster on rows of a multiple of 8 floats while
-    they stay in cache; past 128 columns (n = 200) the padding lost (docs/performance.md, "Fused readout and
-    query")."""
-    padded = -(-num_nodes // plan.query_table_multiple) * plan.query_table_multiple
-    if plan.query_table_max_columns and padded > plan.query_table_max_columns:
-        return num_nodes
-    return padded
-
-
 def decoder_record_floats(cfg: PolicyConfig, plan: ExecutionPlan, num_nodes: int) -> int:
     """float32 values per trajectory in one step's ``DecoderRecord``: H x N attention weights, the D-wide
     attention output and the widest group's padded per-map readout scores."""
@@ -157,8 +143,8 @@ class DecoderCache:
       current node) against every key j; feature_scores (B, H, F, W) those of each dynamic feature (F = 4)
       at value 1. A step's scores are ``node_scores[current] + sum_f dynamic_f feature_scores[f]``.
       None without the query fusion (the plan's ``fused_query`` off, or not requested). W = N, or
-      ``query_table_width(N, plan)`` where ``precompute`` pads them for forward-only decoding (zero columns past
-      N; ``padded_values`` is then set).
+      ``engines.query_tables.query_table_width(N, plan)`` where ``precompute`` pads them for forward-only
+      decoding (zero columns past N; ``padded_values`` is then set).
     padded_values: (B, H, W, D/H) the values with W - N zero rows appended, read by the forward-only steps
       in place of ``values`` when the tables are padded; None otherwise.
     node_queries: (B, N, D) the query projection's node part, ``embeddings @ Wq[:D]``: the query fusion's
@@ -374,38 +360,22 @@ class Policy(nn.Module):
         return cache.replace(readout=tuple(readouts), readout_bias=tuple(readout_biases))
 
     def with_query_scores(self, cache: DecoderCache, padded: bool = False) -> DecoderCache:
-        """``cache`` with node_scores and feature_scores (see DecoderCache): the query fusion added to a
-        cache that ``precompute(..., fuse_query=False)`` made. ``padded``: the tables widened to
-        ``query_table_width`` columns and ``padded_values`` set, for forward-only decoding (training's
-        passes take them N wide)."""
-        cfg = self.cfg
-        d = cfg.embedding_dim
-        kernel = self.Wq_last.variables["params"]["kernel"].astype(cfg.dtype)             # (D + F, D)
-        scale = 1.0 / jnp.sqrt(jnp.float32(d // cfg.num_heads))
-        node_q = split_heads(jnp.matmul(cache.embeddings.astype(cfg.dtype), kernel[:d],
-                                        preferred_element_type=jnp.float32), cfg.num_heads)  # (B, H, N, d/H)
-        keys = cache.keys.astype(cfg.dtype)
-        node_scores = jnp.einsum("bhid,bhjd->bhij", node_q.astype(cfg.dtype), keys,
-                                 preferred_element_type=jnp.float32) * scale
-        feature_q = kernel[d:].reshape(-1, cfg.num_heads, d // cfg.num_heads)              # (F, H, d/H)
-        feature_scores = jnp.einsum("fhd,bhjd->bhfj", feature_q, keys, preferred_element_type=jnp.float32) * scale
-        feature_score_range = jnp.stack([jnp.min(feature_scores, axis=-1), jnp.max(feature_scores, axis=-1)], axis=-1)
-        cache = cache.replace(node_scores=node_scores, feature_scores=feature_scores,
-                              node_score_max=jnp.max(node_scores, axis=-1), feature_score_range=feature_score_range)
-        n = node_scores.shape[-1]
-        extra = query_table_width(n, self.plan) - n
-        if not padded or not extra:
-            return cache
-        widen = lambda x, axis: jnp.pad(x, [(0, extra if a == axis % x.ndim else 0) for a in range(x.ndim)])
-        return cache.replace(node_scores=widen(node_scores, -1), feature_scores=widen(feature_scores, -1),
-                             padded_values=widen(cache.values, -2))
+        """``cache`` with the query fusion's score tables (``engines.query_tables.with_score_tables``) added to a
+        cache that ``precompute(..., fuse_query=False)`` made. ``padded``: the tables widened for forward-only
+        decoding (training's passes take them N wide)."""
+        return query_tables.with_score_tables(cache, self._query_kernel(), self.cfg.num_heads, self.cfg.dtype,
+                                              self.plan if padded else None)
+
+    def _query_kernel(self) -> jax.Array:
+        """The query projection's (D + F, D) kernel in the compute dtype: the node embedding's rows, then the
+        dynamic features'."""
+        return self.Wq_last.variables["params"]["kernel"].astype(self.cfg.dtype)
 
     def with_node_queries(self, cache: DecoderCache) -> DecoderCache:
         """``cache`` with node_queries (see DecoderCache): the query projection's node part, once per
         rollout."""
         cfg = self.cfg
-        kernel = self.Wq_last.variables["params"]["kernel"].astype(cfg.dtype)             # (D + F, D)
-        node_queries = jnp.matmul(cache.embeddings.astype(cfg.dtype), kernel[:cfg.embedding_dim],
+        node_queries = jnp.matmul(cache.embeddings.astype(cfg.dtype), self._query_kernel()[:cfg.embedding_dim],
                                   preferred_element_type=jnp.float32)
         return cache.replace(node_queries=node_queries)
 
@@ -565,7 +535,7 @@ class Policy(nn.Module):
         current = current[..., None].astype(jnp.int32)
         if cache.node_queries is not None:
             # The hoisted projection: the node part's row plus the dynamic features' part.
-            kernel = self.Wq_last.variables["params"]["kernel"].astype(cfg.dtype)         # (D + F, D)
+            kernel = self._query_kernel()                                                 # (D + F, D)
             query = jnp.take_along_axis(cache.node_queries, current, axis=1) + jnp.einsum(
                 "bpf,fd->bpd", dynamic.astype(cfg.dtype), kernel[cfg.embedding_dim:],
                 preferred_element_type=jnp.float32)                                       # (B, P, D)
@@ -589,29 +559,13 @@ class Policy(nn.Module):
 
     def fused_query_scores(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                            width: int | None = None) -> jax.Array:
-        """(B, H, P, W) a step's scaled attention scores by the query fusion: the current node's row of
-        ``node_scores`` plus each dynamic feature's row of ``feature_scores`` (see DecoderCache), their first
-        ``width`` columns (default all: W = the tables' width)."""
-        width = cache.node_scores.shape[-1] if width is None else width
-        score = jax.vmap(lambda table, cur: table[:, cur, :width])(cache.node_scores, current.astype(jnp.int32))
-        dyn = dynamic.astype(jnp.float32)
-        for f in range(dyn.shape[-1]):
-            score = score + dyn[:, None, :, f, None] * cache.feature_scores[:, :, f, None, :width]
-        return score
+        """(B, H, P, W) a step's scaled attention scores gathered from the query fusion's tables
+        (``engines.query_tables.gathered_scores``)."""
+        return query_tables.gathered_scores(cache, current, dynamic, width)
 
     def score_bound(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array) -> jax.Array:
-        """(B, H, P, 1): an upper bound on each step's largest attention score with the query fusion,
-        ``node_score_max[current] + sum_f max(dynamic_f * min_f, dynamic_f * max_f)`` (see DecoderCache), which
-        ``attention_from_bounded_scores`` offsets the softmax by where the plan's ``score_bound_instances``
-        allow (forward steps that keep no softmax weights: inference and evaluation's sampling, not training's
-        sampling pass). How loose the bounds get in practice: docs/performance.md, "Score bounds"."""
-        bound = jax.vmap(lambda table, cur: table[:, cur])(cache.node_score_max, current.astype(jnp.int32))
-        dyn = dynamic.astype(jnp.float32)
-        for f in range(dyn.shape[-1]):
-            d = dyn[:, None, :, f]                                                        # (B, 1, P)
-            low, high = cache.feature_score_range[:, :, f, None, 0], cache.feature_score_range[:, :, f, None, 1]
-            bound = bound + jnp.maximum(d * low, d * high)
-        return bound[..., None]
+        """(B, H, P, 1): an upper bound on each step's largest attention score (``engines.query_tables.score_bound``)."""
+        return query_tables.score_bound(cache, current, dynamic)
 
     def decoder_gating_noise(self, num_units: int) -> jax.Array:
         """(num_units, E): the gating noise that a training-mode ``decode`` of ``num_units`` (instance, start)
