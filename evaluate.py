@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from mvmoe_jax import cli, devices, execution, host_memory, precision
@@ -56,6 +56,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)     # orbax logs every restore at INFO
     try:
         # Before JAX starts: glibc's huge pages (host_memory.py; the process is started again with them), then
         # the CPU's cores as devices (any count: chunks are dealt out).
