@@ -19,7 +19,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mvmoe_jax import cli, devices, execution, host_memory, precision
+from mvmoe_jax import cli, execution, precision
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
@@ -59,13 +59,8 @@ def main(argv):
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)     # orbax logs every restore at INFO
     try:
-        # Before JAX starts: glibc's huge pages (host_memory.py; the process is started again with them), then
-        # the CPU's cores as devices (any count: chunks are dealt out).
-        cpu_devices, huge_pages = execution.process_settings(
-            FLAGS.execution, execution.parse_overrides(FLAGS.execution_overrides))
-        if huge_pages:
-            host_memory.restart_with_huge_pages()
-        devices.use_cpu_devices(cpu_devices, what="execution cpu_devices")
+        # Before JAX starts: huge pages, the CPU's cores as devices (any count: chunks are dealt out).
+        execution.prepare_process(FLAGS.execution, execution.parse_overrides(FLAGS.execution_overrides))
         results = cli.run_evaluation(_CONFIG.value, FLAGS)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

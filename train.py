@@ -40,7 +40,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]} (options are --config=FILE and --config.FIELD=VALUE)",
               file=sys.stderr)
         sys.exit(2)
-    from mvmoe_jax import execution, host_memory, training, training_loop
+    from mvmoe_jax import training, training_loop
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)     # orbax logs every save at INFO
@@ -51,11 +51,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        # Before JAX starts: glibc's huge pages for XLA:CPU's per-step buffers (host_memory.py; the process is
-        # started again with them), then the CPU's cores as devices.
-        if execution.process_settings(*training_loop.execution_settings(config))[1]:
-            host_memory.restart_with_huge_pages()
-        training_loop.use_cpu_devices(config)
+        training_loop.prepare_process(config)          # before JAX starts: huge pages, CPU cores as devices
         training_loop.train_and_evaluate(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

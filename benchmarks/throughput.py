@@ -188,17 +188,12 @@ class InferWorkload(NamedTuple):
     compile_seconds: float
 
 
-def workload_plan(execution_preset: str = "auto", execution_overrides: str = "") -> ExecutionPlan:
-    """The execution plan of a workload: a preset (auto: the platform's) and ``FIELD=VALUE,...`` overrides."""
-    return execution.plan_for(execution_preset, jax.default_backend(), **execution.parse_overrides(execution_overrides))
-
-
 def compile_infer(model: str, size: int, batch: int, aug: int = 8, weights: str = "auto",
                   chunk_size: int | None = None, execution_preset: str = "auto", execution_overrides: str = "",
                   **cfg_kw) -> InferWorkload:
     """The inference workload's weights, instances and compiled greedy evaluation (timed)."""
     cfg, params, weights_desc = load_weights(model, size, weights, **cfg_kw)
-    plan = workload_plan(execution_preset, execution_overrides)
+    plan = execution.default_plan(execution_preset, **execution.parse_overrides(execution_overrides))
     inst = instances.generate(jax.random.key(1), batch, size, "CVRP")
     t0 = time.perf_counter()
     compiled = rollout.compile_greedy_evaluate(cfg, params, inst, jax.random.key(0), pomo_size=size,

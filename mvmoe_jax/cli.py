@@ -10,8 +10,6 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-import jax
-
 from mvmoe_jax import checker, checkpoints, evaluation, execution, io, precision, problems
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.nn.policy import PolicyConfig
@@ -41,8 +39,8 @@ def with_compute_dtype(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
 def execution_plan_of(flags: Any) -> ExecutionPlan:
     """The execution plan that ``--execution`` (a preset) and ``--execution_overrides`` name, on JAX's
     default backend."""
-    return execution.plan_for(getattr(flags, "execution", "auto"), jax.default_backend(),
-                              **execution.parse_overrides(getattr(flags, "execution_overrides", "") or ""))
+    return execution.default_plan(getattr(flags, "execution", "auto"),
+                                  **execution.parse_overrides(getattr(flags, "execution_overrides", "") or ""))
 
 
 def _fmt(x: float | None, spec: str) -> str:

@@ -20,11 +20,11 @@ builds a plan from a preset name (``auto``: the platform's) and field overrides.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from mvmoe_jax import devices
+from mvmoe_jax import devices, host_memory
 
 PRESETS = ("reference", "cpu", "gpu")
 MOE_DISPATCHES = ("dense", "grouped_mlp", "grouped", "sparse", "einsum")
@@ -187,9 +187,10 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return out
 
 
-def default_plan() -> ExecutionPlan:
-    """The preset of JAX's default backend, for library calls that are given no plan."""
-    return plan_for("auto", jax.default_backend())
+def default_plan(preset: str = "auto", **overrides) -> ExecutionPlan:
+    """``plan_for(preset, jax.default_backend(), **overrides)``: the plan on JAX's default backend, for entry
+    points (after ``prepare_process``) and for library calls that are given no plan."""
+    return plan_for(preset, jax.default_backend(), **overrides)
 
 
 def process_settings(preset: str, overrides: Mapping[str, Any]) -> tuple[int, bool]:
@@ -200,8 +201,14 @@ def process_settings(preset: str, overrides: Mapping[str, Any]) -> tuple[int, bo
     return plan.cpu_devices, plan.huge_pages
 
 
-def plan_from_config(plan_config: Mapping[str, Any], platform: str) -> ExecutionPlan:
-    """The plan a run's ``config.plan`` (``preset`` and optional field overrides) names on ``platform``."""
-    values = dict(plan_config)
-    preset = values.pop("preset", "auto")
-    return plan_for(preset, platform, **values)
+def prepare_process(preset: str, overrides: Mapping[str, Any],
+                    batch_sizes: Callable[[], Sequence[int]] = tuple) -> int:
+    """An entry point's process settings, before JAX starts: with ``huge_pages`` the process is started again
+    with glibc's huge pages (``host_memory``), first thing, then the CPU is presented as ``cpu_devices``
+    devices (0: one per core, reduced to the largest count dividing every one of ``batch_sizes()``, which is
+    called after the restart, so that the work it does, such as checking a run's config, is not done twice).
+    Returns the device count."""
+    cpu_devices, huge_pages = process_settings(preset, overrides)
+    if huge_pages:
+        host_memory.restart_with_huge_pages()
+    return devices.use_cpu_devices(cpu_devices, *batch_sizes(), what="execution cpu_devices")

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, devices, execution, precision, problems, shipped, training
+from mvmoe_jax import checkpoints, execution, precision, problems, shipped, training
 from mvmoe_jax.cli import policy_config
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
@@ -111,17 +111,17 @@ def execution_settings(config: ml_collections.ConfigDict) -> tuple[str, dict]:
 
 
 def execution_plan(config: ml_collections.ConfigDict) -> ExecutionPlan:
-    """The run's execution plan on JAX's default backend (after ``use_cpu_devices``)."""
+    """The run's execution plan on JAX's default backend (after ``prepare_process``)."""
     preset, overrides = execution_settings(config)
-    return execution.plan_for(preset, jax.default_backend(), **overrides)
+    return execution.default_plan(preset, **overrides)
 
 
-def use_cpu_devices(config: ml_collections.ConfigDict) -> int:
-    """Before any JAX computation: present the CPU as the plan's ``cpu_devices`` devices (0: one per usable
-    core, reduced to the largest count that splits every batch of the run evenly). Returns the count."""
-    cpu_devices, _ = execution.process_settings(*execution_settings(config))
-    return devices.use_cpu_devices(cpu_devices, config.batch_size, check_config(config).last_batch,
-                                   what="execution.cpu_devices")
+def prepare_process(config: ml_collections.ConfigDict) -> int:
+    """Before any JAX computation: the run plan's huge pages and CPU devices (``execution.prepare_process``;
+    ``cpu_devices`` 0: one per usable core, reduced to the largest count that splits every batch of the run
+    evenly). Returns the device count."""
+    return execution.prepare_process(*execution_settings(config),
+                                     lambda: (config.batch_size, check_config(config).last_batch))
 
 
 def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh) -> StepFunctions:

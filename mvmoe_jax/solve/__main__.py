@@ -52,20 +52,15 @@ def main(argv=None, *, setup_process: bool = False) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_process``: first
     the plan's huge pages (the process is started again with them) and a CPU's cores as devices, which must
     happen before JAX computes anything."""
-    import jax
-
-    from mvmoe_jax import devices, execution, host_memory
+    from mvmoe_jax import execution
     from mvmoe_jax.solve import api, search
 
     args = _parser(search.SEARCHES).parse_args(argv)
     try:
         overrides = execution.parse_overrides(args.execution_overrides)
         if setup_process:
-            cpu_devices, huge_pages = execution.process_settings(args.execution, overrides)
-            if huge_pages:
-                host_memory.restart_with_huge_pages()
-            devices.use_cpu_devices(cpu_devices, what="execution cpu_devices")    # any count: chunks are dealt out
-        plan = execution.plan_for(args.execution, jax.default_backend(), **overrides)
+            execution.prepare_process(args.execution, overrides)      # any device count: chunks are dealt out
+        plan = execution.default_plan(args.execution, **overrides)
         report = api.solve(args.inputs, checkpoint=args.checkpoint, search=args.search, time_limit=args.time_limit,
                            rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
                            problem=args.problem, num_instances=args.num_instances, bks=args.bks,
