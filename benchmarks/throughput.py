@@ -260,8 +260,7 @@ def program_memory(mode: str, model: str, size: int, batch: int, aug: int = 8, w
                                  **cfg_kw).compiled.memory_bytes()
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
-    chunk, remat = default_replay()
-    return train_throughput.program_memory(model, size, size, batch, chunk, remat, execution_preset=execution_preset,
+    return train_throughput.program_memory(model, size, size, batch, execution_preset=execution_preset,
                                            execution_overrides=execution_overrides, problems="CVRP",
                                            matmul_precision=matmul_precision)
 
@@ -295,16 +294,8 @@ def largest_batch(mode: str, model: str, size: int, start: int, budget: int, max
     return best, tried
 
 
-def default_replay(backend: str | None = None) -> tuple[int, bool]:
-    """(replay_chunk, replay_remat) when training takes its gradient by replay (plan field backward=replay): on
-    CPU two steps at a time, recomputed in the backward pass (storing every step's attention weights costs
-    more memory traffic than recomputing them); on accelerators the configs' 8 steps at a time, stored."""
-    return (2, True) if (backend or jax.default_backend()) == "cpu" else (8, False)
-
-
 def measure_train(model: str, size: int, batch: int, steps: int = 3, execution_preset: str = "auto",
-                  execution_overrides: str = "",
-                  replay_chunk: int | None = None, replay_remat: bool | None = None, problems: str = "CVRP",
+                  execution_overrides: str = "", problems: str = "CVRP",
                   weights: str = "auto", matmul_precision: str | None = None, warmup: int = 1, **cfg_kw) -> dict:
     """Full optimiser steps, timed as benchmarks/train_throughput.py does (configs/<model>.py), on fresh
     batches of ``problems`` (CVRP by default: the inference workload's variant, and the one the peers
@@ -312,10 +303,7 @@ def measure_train(model: str, size: int, batch: int, steps: int = 3, execution_p
     names (see ``weights_path``; the authors' code starts from the same ones)."""
     if cfg_kw:
         raise ValueError(f"training benchmark takes the model's config as is; unsupported: {sorted(cfg_kw)}")
-    chunk, remat = default_replay()
-    chunk = chunk if replay_chunk is None else replay_chunk
-    remat = remat if replay_remat is None else replay_remat
-    row = train_throughput.measure(model, size, size, batch, steps, chunk=chunk, remat=remat,
+    row = train_throughput.measure(model, size, size, batch, steps,
                                    execution_preset=execution_preset, execution_overrides=execution_overrides,
                                    problems=problems, weights=weights_path(model, weights),
                                    matmul_precision=matmul_precision, warmup=warmup)

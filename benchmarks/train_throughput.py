@@ -25,7 +25,7 @@ from mvmoe_jax import checkpoints, devices, execution, host_memory, precision, t
 import machine  # noqa: E402  (benchmarks/machine.py; this folder is on sys.path when run or imported)
 
 
-def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
+def step_setup(config_name: str, size: int, pomo: int, batch: int,
                execution_preset: str = "auto", execution_overrides: str = "", problems: str | None = None,
                matmul_precision: str | None = None):
     """(config, run settings, step functions) of a training run of configs/<config_name>.py at this size and
@@ -38,7 +38,7 @@ def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, r
     if matmul_precision:
         config.matmul_precision = matmul_precision
     config.problem_size, config.pomo_size, config.batch_size = size, pomo, batch
-    config.train_episodes, config.replay_chunk, config.replay_remat = batch, chunk, remat
+    config.train_episodes = batch
     config.execution.preset = execution_preset
     for field, value in execution.parse_overrides(execution_overrides).items():
         config.execution[field] = value
@@ -48,19 +48,19 @@ def step_setup(config_name: str, size: int, pomo: int, batch: int, chunk: int, r
     return config, run, fns
 
 
-def program_memory(config_name: str, size: int, pomo: int, batch: int, chunk: int, remat: bool,
+def program_memory(config_name: str, size: int, pomo: int, batch: int,
                    execution_preset: str = "auto", execution_overrides: str = "", problems: str | None = None,
                    matmul_precision: str | None = None) -> int:
     """Per-device memory of a training step at this batch, from the compiled programs (compiled, not run;
     see ``StepFunctions.memory_bytes``)."""
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, execution_preset,
+    config, plan, fns = step_setup(config_name, size, pomo, batch, execution_preset,
                                    execution_overrides, problems, matmul_precision)
     with precision.matmul_precision(config.matmul_precision):
         state = fns.init_state(training.init_params(plan.policy, jax.random.key(0)))
         return fns.memory_bytes(state, fns.batch(jax.random.key(0), batch), jax.random.key(0))
 
 
-def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chunk: int, remat: bool,
+def measure(config_name: str, size: int, pomo: int, batch: int, steps: int,
             max_compile_steps: int = 6, execution_preset: str = "auto", execution_overrides: str = "",
             problems: str | None = None, weights: str | None = None, matmul_precision: str | None = None,
             warmup: int = 1) -> dict:
@@ -73,17 +73,17 @@ def measure(config_name: str, size: int, pomo: int, batch: int, steps: int, chun
     config's, as train.py runs it)."""
     if warmup < 1:
         raise ValueError(f"warmup counts the first (compiling) step: at least 1, got {warmup}")
-    config, plan, fns = step_setup(config_name, size, pomo, batch, chunk, remat, execution_preset,
+    config, plan, fns = step_setup(config_name, size, pomo, batch, execution_preset,
                                    execution_overrides, problems, matmul_precision)
     with precision.matmul_precision(config.matmul_precision):
-        row = _timed_steps(config_name, config, plan, fns, size, pomo, batch, steps, chunk, remat,
+        row = _timed_steps(config_name, config, plan, fns, size, pomo, batch, steps,
                            max_compile_steps, weights, warmup)
     row["matmul_precision"] = config.matmul_precision
     return row
 
 
-def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batch: int, steps: int, chunk: int,
-                 remat: bool, max_compile_steps: int, weights: str | None, warmup: int = 1) -> dict:
+def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batch: int, steps: int,
+                 max_compile_steps: int, weights: str | None, warmup: int = 1) -> dict:
     """The measurement of ``measure``: compile, then ``steps`` timed optimiser steps."""
     num_devices = fns.num_devices
     t0 = time.perf_counter()
@@ -141,7 +141,7 @@ def _timed_steps(config_name: str, config, plan, fns, size: int, pomo: int, batc
             "weights": os.path.basename(weights.rstrip("/")) if weights else "random initialisation (seed 0)",
             "pomo": pomo, "batch": batch, "devices": num_devices, "train_problems": config.train_problems,
             "backward": fns.plan.backward, "execution": fns.plan.to_dict(),
-            "replay_chunk": chunk, "replay_remat": remat, "warmup_steps": warmup, "timed_steps": len(timed),
+            "warmup_steps": warmup, "timed_steps": len(timed),
             "steps_run": step,
             "decoder_record": training.records_decoder(fns.policy, fns.settings, inst, fns.max_steps, fns.mesh),
             "decode_steps": steps_needed, "replay_lengths": lengths, "sample_seconds": sample_s,
@@ -171,8 +171,6 @@ def main():
                    help="execution plan preset (mvmoe_jax/execution.py)")
     p.add_argument("--execution_overrides", default="",
                    help="plan fields, FIELD=VALUE,... (e.g. backward=replay; cpu_devices=1: JAX's single device)")
-    p.add_argument("--chunk", type=int, default=8, help="replay_chunk")
-    p.add_argument("--remat", action="store_true", help="replay_remat")
     p.add_argument("--weights", default="", help="checkpoint to start from (.pt or orbax); default random")
     p.add_argument("--output", default="benchmarks/results/train_throughput.json")
     args = p.parse_args()
@@ -183,7 +181,7 @@ def main():
     load_before = os.getloadavg()
     rows = []
     for name in args.configs.split(","):
-        row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps, args.chunk, args.remat,
+        row = measure(name, args.size, args.pomo or args.size, args.batch, args.steps,
                       execution_preset=args.execution, execution_overrides=args.execution_overrides,
                       problems=args.problems or None, weights=args.weights or None,
                       warmup=args.warmup)

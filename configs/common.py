@@ -78,13 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
     # --config.execution.backward=replay, --config.execution.cpu_devices=1 (cores as devices: 0 one per core,
     # reduced to the largest count that splits every batch; accelerators are not affected).
     c.execution = execution_config()
-    # The replay (execution.backward=replay) runs replay_chunk decoding steps at a time (vmapped; small
-    # chunks suit CPUs, larger ones feed accelerators bigger matmuls), over a length rounded up to a multiple
-    # of replay_bucket (0: auto, ceil(n/4); each length compiles once); replay_remat recomputes each chunk in
-    # the backward pass (less memory, more compute).
-    c.replay_chunk = 8
+    # The replay (execution.backward=replay) runs over a length rounded up to a multiple of replay_bucket
+    # decoding steps (0: auto, ceil(n/4); each length compiles once).
     c.replay_bucket = 0
-    c.replay_remat = False
     # float32 matmuls on GPUs (mvmoe_jax/precision.py): training allows TF32 (docs/performance.md, "Matmul
     # precision on a GPU"); evaluation runs in full float32 (the original implementation's numbers).
     # float32 | tensorfloat32 | bfloat16 | default (JAX's). No effect on a CPU.

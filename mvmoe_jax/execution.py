@@ -60,7 +60,7 @@ class ExecutionPlan:
     mix_maps_elementwise: bool = False      # forward-only MoE readout mixed elementwise
     lane_reductions: bool = False           # greedy / sampling reductions over nodes in 16-wide lanes
 
-    # --- Attention (nn/attention.py; engine: attention_backward.py)
+    # --- Attention (nn/attention.py; engine: engines/attention.py)
     attention_vjp: bool = False             # hand-written attention backward (False: autodiff of the softmax)
     products_against_transposes: bool = False  # that backward transposes before its query contractions
     keys_major_weights: bool = False        # recorded softmax weights kept keys-major
@@ -77,6 +77,8 @@ class ExecutionPlan:
     backward: str = "replay"                # stepwise: per-step vjp in a loop | replay: jax.grad of a replay
     reuse_sampling: str = "never"           # the stepwise backward takes the sampling pass's products: auto
                                             # where the record fits training.DECODER_RECORD_BUDGET_BYTES
+    replay_steps_at_once: int = 8           # backward=replay: decoding steps vmapped at a time
+    replay_remat: bool = False              # backward=replay: each group of steps recomputed in the backward
 
     # --- Process (set by the entry point before JAX starts; devices.py, host_memory.py)
     cpu_devices: int = 1                    # CPU cores as devices (0: one per core dividing the batches)
@@ -96,7 +98,7 @@ class ExecutionPlan:
                      "encoder_tokens", "sampling_chunk_trajectories", "cpu_devices"):
             if getattr(self, name) < 0:
                 raise ValueError(f"execution plan field {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("moe_sort_groups", "readout_column_multiple", "query_table_multiple"):
+        for name in ("moe_sort_groups", "readout_column_multiple", "query_table_multiple", "replay_steps_at_once"):
             if getattr(self, name) < 1:
                 raise ValueError(f"execution plan field {name} must be >= 1, got {getattr(self, name)}")
 
@@ -131,7 +133,8 @@ def cpu(avx512: bool | None = None) -> ExecutionPlan:
         attention_vjp=True, products_against_transposes=not avx512, keys_major_weights=avx512,
         row_sums_from_output=True, merge_heads_by_slices=True, normalise_after_product=True,
         eval_chunk_trajectories=100, encoder_tokens=3264, sampling_chunk_trajectories=100,
-        backward="stepwise", reuse_sampling="auto", cpu_devices=0, huge_pages=True)
+        backward="stepwise", reuse_sampling="auto", replay_steps_at_once=2, replay_remat=True, cpu_devices=0,
+        huge_pages=True)
 
 
 def gpu() -> ExecutionPlan:

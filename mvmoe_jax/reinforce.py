@@ -50,9 +50,13 @@ def sample_trajectories(policy: Policy, params, inst: Instance, rng: jax.Array, 
 
 
 def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array, *, num_steps: int,
-           chunk: int = 8, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+           steps_at_once: int = 8, remat: bool = False) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced decoding of the recorded trajectories over their first ``num_steps`` (static)
     steps: (log-likelihood (B, P), auxiliary loss ()), differentiable in ``params``.
+
+    ``steps_at_once`` steps are decoded together (vmapped; more feeds an accelerator larger products, fewer
+    suits a CPU's caches) and ``remat`` recomputes them in the backward pass instead of storing their
+    activations: the plan's ``replay_steps_at_once`` and ``replay_remat``; the same gradient either way.
 
     ``num_steps`` must cover ``traj.num_steps``; steps past it contribute neither log-probability nor
     auxiliary loss. ``rng`` is the key the trajectories were sampled with.
@@ -84,7 +88,7 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
         one_step = jax.checkpoint(one_step)
     xs = (jnp.arange(num_steps), keys, current, traj.dynamic[:num_steps], traj.masks[:num_steps], chosen,
           traj.active[:num_steps])
-    ll, aux = jax.lax.map(one_step, xs, batch_size=min(chunk, num_steps))
+    ll, aux = jax.lax.map(one_step, xs, batch_size=min(steps_at_once, num_steps))
     return ll.sum(0), aux_enc + aux.sum()
 
 
@@ -103,13 +107,13 @@ def reinforce_loss(log_likelihood: jax.Array, cost: jax.Array, valid: jax.Array,
 
 
 def reinforce_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array, *,
-                        num_steps: int, aux_loss_coef: float, chunk: int = 8, remat: bool = False):
+                        num_steps: int, aux_loss_coef: float, steps_at_once: int = 8, remat: bool = False):
     """((loss, (policy-gradient part, aux, log-likelihood (B, P))), gradient in ``params``) of the REINFORCE
     loss of the trajectories ``traj`` sampled from ``rng``, by ``jax.grad`` through ``replay`` over
-    ``num_steps`` steps (``chunk`` and ``remat``: see ``replay``)."""
+    ``num_steps`` steps (``steps_at_once`` and ``remat``: see ``replay``)."""
 
     def loss_fn(p):
-        ll, aux = replay(policy, p, inst, traj, rng, num_steps=num_steps, chunk=chunk, remat=remat)
+        ll, aux = replay(policy, p, inst, traj, rng, num_steps=num_steps, steps_at_once=steps_at_once, remat=remat)
         loss, pg = reinforce_loss(ll, traj.cost, traj.valid, aux, aux_loss_coef)
         return loss, (pg, aux, ll)
 

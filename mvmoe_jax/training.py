@@ -8,8 +8,8 @@ encoder pass serves both, decoding each device's instances a few at a time where
 (``chunked_sampling``) and taking the backward pass's products from the sampling pass's record where it says
 so (``reuses_sampling_pass``). ``StepFunctions`` jits these over a one-axis data mesh. The replay is
 differentiated for a static number of steps rounded up to a bucket, so only a handful of shapes compile; it
-runs ``replay_chunk`` steps at a time (vmapped), with ``replay_remat`` recomputing each chunk in the backward
-pass to bound memory.
+runs the plan's ``replay_steps_at_once`` steps at a time (vmapped), with ``replay_remat`` recomputing them in
+the backward pass to bound memory.
 """
 
 from __future__ import annotations
@@ -120,8 +120,6 @@ class StepSettings:
 
     pomo_size: int
     aux_loss_coef: float
-    replay_chunk: int = 8          # the replay's steps vmapped at a time (plan backward "replay")
-    replay_remat: bool = False     # the replay recomputes each chunk in the backward pass
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
@@ -145,7 +143,7 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     else:
         (loss, (pg, aux, ll)), grads = reinforce_gradients(
             policy, state.params, inst, traj, rng, num_steps=num_steps, aux_loss_coef=settings.aux_loss_coef,
-            chunk=settings.replay_chunk, remat=settings.replay_remat)
+            steps_at_once=policy.plan.replay_steps_at_once, remat=policy.plan.replay_remat)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
@@ -246,8 +244,8 @@ def _sample_and_train(policy: Policy, tx: optax.GradientTransformation, settings
     (cache, aux_enc), backward_encoder = encoder_vjp(policy, state.params, inst, rng)
     sampling_cache = cache
     if policy.plan.fused_query:
-        # Without node_queries the sampling pass takes the query fusion's forward-only attention.
-        sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores).replace(node_queries=None)
+        # The sampling pass takes the query fusion's forward-only attention ("score_tables").
+        sampling_cache = policy.apply(state.params, cache, method=Policy.with_query_scores)
     sampling_cache, sampling_aux = jax.lax.stop_gradient((sampling_cache, aux_enc))
     record_decoder = records_decoder(policy, settings, inst, max_steps, mesh)
     chunk = sampling_chunk(policy, settings, inst, mesh)

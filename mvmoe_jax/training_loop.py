@@ -65,7 +65,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
              f"generator defines capacities for those), got {n}")
     _require(1 <= config.pomo_size <= n, f"pomo_size must be between 1 and problem_size ({n}), got "
              f"{config.pomo_size}")
-    for name in ("batch_size", "epochs", "train_episodes", "checkpoint_every_epochs", "replay_chunk",
+    for name in ("batch_size", "epochs", "train_episodes", "checkpoint_every_epochs",
                  "validation_instances", "validation_batch_size", "keep_checkpoints"):
         _require(int(config[name]) >= 1, f"{name} must be a positive integer, got {config[name]}")
     _require(config.validate_every_epochs >= 0, "validate_every_epochs must be >= 0 (0: never)")
@@ -129,8 +129,7 @@ def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh) ->
     # The MoE layers already weigh their load-balancing loss by DEFAULT_LOSS_COEF (the reference's 1e-3);
     # aux_loss_coef is the paper's alpha on the unweighted loss.
     settings = StepSettings(pomo_size=config.pomo_size,
-                            aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
-                            replay_chunk=config.replay_chunk, replay_remat=config.replay_remat)
+                            aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF)
     return StepFunctions.cached(run.policy, execution_plan(config), run.optimizer, settings,
                                 num_customers=config.problem_size,
                                 variants=run.variants, mixed=config.mixed_batches, mesh=mesh,

@@ -107,8 +107,8 @@ def test_training_program_memory_grows_with_the_batch():
     """StepFunctions.memory_bytes from the compiled step: at least the optimiser state (parameters and
     Adam's two moments), and more for a larger batch."""
     train_throughput = _benchmarks_module("train_throughput")
-    small = train_throughput.program_memory("pomo_mtl", 20, 20, 2, chunk=2, remat=False, problems="CVRP")
-    large = train_throughput.program_memory("pomo_mtl", 20, 20, 8, chunk=2, remat=False, problems="CVRP")
+    small = train_throughput.program_memory("pomo_mtl", 20, 20, 2, problems="CVRP")
+    large = train_throughput.program_memory("pomo_mtl", 20, 20, 8, problems="CVRP")
     assert small >= 3 * 4 * _parameter_count("pomo_mtl") and large > small
 
 
@@ -312,17 +312,17 @@ def test_training_benchmark_starts_from_the_given_checkpoint(tmp_path):
     from conftest import require_shared
     checkpoints = require_shared("fixtures", "torch-reference", "checkpoints")
     train_throughput = _benchmarks_module("train_throughput")
-    row = train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
+    row = train_throughput.measure("pomo_mtl", 20, 20, 4, 1, problems="CVRP",
                                    weights=str(checkpoints / "mtl_n20_fixture.pt"), warmup=2)
     assert row["weights"] == "mtl_n20_fixture.pt" and row["timed_steps"] == 1 and row["warmup_steps"] == 2
     assert row["steps_run"] == 3                                  # the compiling step, one more untimed, one timed
     assert row["instances_per_second"] > 0 and len(row["decode_steps"]) == 1
     with pytest.raises(ValueError, match="warmup counts the first .compiling. step: at least 1, got 0"):
-        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, warmup=0)
+        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, warmup=0)
     # A checkpoint of another model is refused by name, not run.
     from mvmoe_jax.checkpoints import CheckpointMismatchError
     with pytest.raises(CheckpointMismatchError, match="holds a 'mvmoe' model.*asks for 'pomo_mtl'"):
-        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, chunk=2, remat=False, problems="CVRP",
+        train_throughput.measure("pomo_mtl", 20, 20, 4, 1, problems="CVRP",
                                  weights=str(checkpoints / "moe_n20_fixture.pt"))
 
 

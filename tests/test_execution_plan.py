@@ -51,6 +51,8 @@ FIELD_CASES = {
     "sampling_chunk_trajectories": dict(backward="stepwise", sampling_chunk_trajectories=40),
     "backward": dict(backward="stepwise"),
     "reuse_sampling": dict(RECORD),
+    "replay_steps_at_once": dict(replay_steps_at_once=3),
+    "replay_remat": dict(replay_remat=True),
 }
 # Set before JAX starts, outside any program: the devices and the allocator (tests/test_host_memory.py and
 # the multi-device tests cover them).

@@ -126,9 +126,9 @@ def test_hoisted_query_gives_the_plain_gradient(model, given):
             record = None
             if given == "scores_from_tables" and policy.plan.fused_query:
                 tables = jax.lax.stop_gradient(policy.apply(p, cache, method=Policy.with_query_scores))
-                cache = cache.replace(node_scores=tables.node_scores, feature_scores=tables.feature_scores)
+                cache = cache.with_given_scores(tables.node_scores, tables.feature_scores)
             if given == "sampling_record" and policy.plan.fused_query:
-                sampling_cache = policy.apply(p, cache, method=Policy.with_query_scores).replace(node_queries=None)
+                sampling_cache = policy.apply(p, cache, method=Policy.with_query_scores)
                 *sampled, record = jax.lax.stop_gradient(policy.apply(
                     p, sampling_cache, states.current, dyn, mask, None, True, True, True, method=Policy.decode,
                     rngs={"gating": jax.random.key(3)}))
@@ -422,7 +422,7 @@ def test_bounded_softmax_equals_the_softmax_also_when_a_bound_fails(monkeypatch)
 
 @pytest.mark.parametrize("model", ["pomo_mtl", "mvmoe"])
 def test_score_bound_bounds_every_score_of_a_step(model):
-    """``Policy.score_bound`` is at least every node's attention score in the query fusion's form
+    """``query_tables.score_bound`` is at least every node's attention score in the query fusion's form
     (``node_scores[current] + sum_f dynamic_f feature_scores[f]``), for dynamic features of either sign, and
     the row's maximum itself when the dynamic features are zero."""
     cfg = small_config(model)
@@ -433,7 +433,7 @@ def test_score_bound_bounds_every_score_of_a_step(model):
     cache = policy.apply(params, emb, method=Policy.precompute)
     current = jax.random.randint(jax.random.key(1), (8, N), 0, N + 1)
     dynamic = jax.random.normal(jax.random.key(2), (8, N, 4)) * 2
-    bound = policy.apply(params, cache, current, dynamic, method=Policy.score_bound)            # (B, H, P, 1)
+    bound = query_tables.score_bound(cache, current, dynamic)                                   # (B, H, P, 1)
     nodes = N + 1                                                   # the tables' padding columns left out
     rows = jax.vmap(lambda table, cur: table[:, cur, :nodes])(cache.node_scores, current)        # (B, H, P, N)
     scores = rows + jnp.einsum("bpf,bhfn->bhpn", dynamic, cache.feature_scores[..., :nodes])
@@ -441,7 +441,7 @@ def test_score_bound_bounds_every_score_of_a_step(model):
     assert bound.shape == top.shape
     assert np.all(np.asarray(bound) >= np.asarray(top) - 1e-4)
     # Without dynamic features the bound is the row's maximum itself.
-    tight = policy.apply(params, cache, current, jnp.zeros_like(dynamic), method=Policy.score_bound)
+    tight = query_tables.score_bound(cache, current, jnp.zeros_like(dynamic))
     np.testing.assert_allclose(tight, jnp.max(rows, axis=-1, keepdims=True), rtol=1e-6)
 
 
@@ -467,10 +467,10 @@ def test_rollouts_with_failing_score_bounds_decode_as_without_them(monkeypatch, 
 
     for decode_type in ("greedy", "sampling"):
         exact, bounded = run(True, decode_type), run(False, decode_type)
-        score_bound = Policy.score_bound
-        monkeypatch.setattr(Policy, "score_bound", lambda self, *args: score_bound(self, *args) + 200.0)
+        score_bound = query_tables.score_bound
+        monkeypatch.setattr(query_tables, "score_bound", lambda *args: score_bound(*args) + 200.0)
         failing = run(False, decode_type)
-        monkeypatch.setattr(Policy, "score_bound", score_bound)
+        monkeypatch.setattr(query_tables, "score_bound", score_bound)
         for out in (bounded, failing):
             np.testing.assert_array_equal(out.actions, exact.actions)
             np.testing.assert_allclose(out.cost, exact.cost, rtol=1e-6)

@@ -85,7 +85,7 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     np.testing.assert_array_equal(traj.aux_loss, ref.aux_loss)
     np.testing.assert_array_equal(traj.valid, ref.valid)
     assert not traj.valid.all()
-    ll, aux = jax.jit(lambda p, i, tr, r: reinforce.replay(policy, p, i, tr, r, num_steps=44, chunk=8))(
+    ll, aux = jax.jit(lambda p, i, tr, r: reinforce.replay(policy, p, i, tr, r, num_steps=44, steps_at_once=8))(
         params, inst, traj, rng)
     np.testing.assert_allclose(ll, traj.log_likelihood, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(aux, traj.aux_loss, rtol=1e-5, atol=1e-9)
@@ -113,7 +113,7 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
     coef = 10.0
 
     def replayed_loss(p):
-        ll, aux = reinforce.replay(policy, p, inst, traj, rng, num_steps=40, chunk=8)
+        ll, aux = reinforce.replay(policy, p, inst, traj, rng, num_steps=40, steps_at_once=8)
         return reinforce.reinforce_loss(ll, traj.cost, traj.valid, aux, coef)[0]
 
     def stepwise(p):

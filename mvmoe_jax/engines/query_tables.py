@@ -40,7 +40,8 @@ def with_score_tables(cache, kernel: jax.Array, num_heads: int, dtype: Any, padd
     (B, H, F, W), node_score_max (B, H, N) and feature_score_range (B, H, F, 2), from the query projection's
     ``kernel`` (D + F, D) and the cache's embeddings and keys. ``padded_for``: the plan whose
     ``query_table_width`` the tables are widened to, with ``padded_values`` set, for forward-only decoding
-    (zero columns past N, masked off by the steps); None: W = N."""
+    (zero columns past N, masked off by the steps); None: W = N. The cache's steps then attend on the
+    forward-only ``"score_tables"`` path (its ``node_queries``, if any, dropped)."""
     d = kernel.shape[-1]
     scale = 1.0 / jnp.sqrt(jnp.float32(d // num_heads))
     node_q = split_heads(jnp.matmul(cache.embeddings.astype(dtype), kernel[:d],
@@ -50,8 +51,9 @@ def with_score_tables(cache, kernel: jax.Array, num_heads: int, dtype: Any, padd
     feature_q = kernel[d:].reshape(-1, num_heads, d // num_heads)                          # (F, H, d/H)
     feature_scores = jnp.einsum("fhd,bhjd->bhfj", feature_q, keys, preferred_element_type=jnp.float32) * scale
     feature_score_range = jnp.stack([jnp.min(feature_scores, axis=-1), jnp.max(feature_scores, axis=-1)], axis=-1)
-    cache = cache.replace(node_scores=node_scores, feature_scores=feature_scores,
-                          node_score_max=jnp.max(node_scores, axis=-1), feature_score_range=feature_score_range)
+    cache = cache.replace(node_scores=node_scores, feature_scores=feature_scores, node_queries=None,
+                          node_score_max=jnp.max(node_scores, axis=-1), feature_score_range=feature_score_range,
+                          attention="score_tables")
     n = node_scores.shape[-1]
     extra = 0 if padded_for is None else query_table_width(n, padded_for) - n
     if not extra:

@@ -55,12 +55,12 @@ def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_wei
     """``f(t, params, cache, gate_probs) -> ((objective, gate_probs), (picked, aux_t))``: the weighted
     log-probability of step t's recorded action plus the weighted aux loss, for ``jax.vjp``.
     ``score_tables``: (node_scores, feature_scores) of the query fusion, without gradient, from which each
-    step's attention scores are gathered instead of computed (see ``Policy.decoder_attention``). With a
+    step's attention scores are gathered instead of computed (the ``"given_scores"`` path of ``engines.decoder_attention``). With a
     decoder record in ``traj`` each step takes its attention and readout products from it instead."""
 
     def step_objective(t, p, c, gate_probs):
         if score_tables is not None:
-            c = c.replace(node_scores=score_tables[0], feature_scores=score_tables[1])
+            c = c.with_given_scores(*score_tables)
         given = None if traj.decoder is None else jax.tree.map(lambda x: x[t], traj.decoder)
         logp, aux_t, gate_probs = policy.apply(
             p, c, traj.actions[:, :, t], traj.dynamic[t], traj.masks[t], gate_probs, True, given=given,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mvmoe_jax.engines import attention as attention_engines, query_tables
+from mvmoe_jax.engines import decoder_attention as decoder_attention_engine, query_tables
 from mvmoe_jax.engines.readout import padded_readout_nodes, readout_product, readout_product_given
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance
@@ -156,7 +156,10 @@ class DecoderCache:
       flows through the query and the keys (``attention_with_given_scores``): no per-step query-key product.
     node_score_max: (B, H, N) the largest entry of each node_scores row; feature_score_range (B, H, F, 2) the
       smallest and largest of each feature_scores row. From them a step bounds its largest score from above
-      without a pass over its scores (``Policy.score_bound``). None without node_scores.
+      without a pass over its scores (``engines.query_tables.score_bound``). None without node_scores.
+    attention: how a step attends, one of ``engines.decoder_attention.PATHS``, set where the cache is built:
+      "projected" (the reference), "hoisted_query" (node_queries), "score_tables" (forward only, the tables)
+      or "given_scores" (the backward pass: scores from the tables, gradient through node_queries).
     """
 
     embeddings: jax.Array
@@ -170,12 +173,21 @@ class DecoderCache:
     node_score_max: jax.Array | None = None
     feature_score_range: jax.Array | None = None
     padded_values: jax.Array | None = None
+    attention: str = struct.field(pytree_node=False, default="projected")
 
     def without_query_fusion(self) -> "DecoderCache":
         """This cache without the query fusion's tables (and their bounds and padded values): its steps then
         project their query (``node_queries`` where present, else the plain projection)."""
         return self.replace(node_scores=None, feature_scores=None, node_score_max=None, feature_score_range=None,
-                            padded_values=None)
+                            padded_values=None,
+                            attention="projected" if self.node_queries is None else "hoisted_query")
+
+    def with_given_scores(self, node_scores: jax.Array, feature_scores: jax.Array) -> "DecoderCache":
+        """This cache (with ``node_queries``) given the query fusion's N-wide score tables, which the backward
+        pass's steps gather their scores from while the gradient flows through the hoisted query."""
+        if self.node_queries is None:
+            raise ValueError("given scores need the hoisted query projection (precompute(..., fuse_query=False))")
+        return self.replace(node_scores=node_scores, feature_scores=feature_scores, attention="given_scores")
 
 
 @struct.dataclass
@@ -363,10 +375,10 @@ class Policy(nn.Module):
         """``cache`` with the query fusion's score tables (``engines.query_tables.with_score_tables``) added to a
         cache that ``precompute(..., fuse_query=False)`` made. ``padded``: the tables widened for forward-only
         decoding (training's passes take them N wide)."""
-        return query_tables.with_score_tables(cache, self._query_kernel(), self.cfg.num_heads, self.cfg.dtype,
+        return query_tables.with_score_tables(cache, self.query_kernel(), self.cfg.num_heads, self.cfg.dtype,
                                               self.plan if padded else None)
 
-    def _query_kernel(self) -> jax.Array:
+    def query_kernel(self) -> jax.Array:
         """The query projection's (D + F, D) kernel in the compute dtype: the node embedding's rows, then the
         dynamic features'."""
         return self.Wq_last.variables["params"]["kernel"].astype(self.cfg.dtype)
@@ -375,9 +387,9 @@ class Policy(nn.Module):
         """``cache`` with node_queries (see DecoderCache): the query projection's node part, once per
         rollout."""
         cfg = self.cfg
-        node_queries = jnp.matmul(cache.embeddings.astype(cfg.dtype), self._query_kernel()[:cfg.embedding_dim],
+        node_queries = jnp.matmul(cache.embeddings.astype(cfg.dtype), self.query_kernel()[:cfg.embedding_dim],
                                   preferred_element_type=jnp.float32)
-        return cache.replace(node_queries=node_queries)
+        return cache.replace(node_queries=node_queries, attention="hoisted_query")
 
     def _map_groups(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """The combining projection's linear maps (M_g, D, D) and biases (M_g, D), one pair per group of
@@ -494,78 +506,32 @@ class Policy(nn.Module):
 
     def decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
                           mask: jax.Array) -> jax.Array:
-        """The decoder's multi-head attention output (B, P, D), before the combining projection.
-
-        Which path runs follows from the cache: the query fusion (node_scores, forward only); the hoisted
-        query projection (node_queries); both (training's backward pass: the scores are gathered from the
-        tables, the gradient flows through the hoisted query, see ``attention_with_given_scores``); or
-        neither (the plain projection)."""
+        """The decoder's multi-head attention output (B, P, D), before the combining projection, on the path
+        the cache names (``DecoderCache.attention``)."""
         return self._decoder_attention(cache, current, dynamic, mask)[0]
 
     def _decoder_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array, mask: jax.Array,
                            keep_weights: bool = False, given: DecoderRecord | None = None):
         """``decoder_attention`` and (``keep_weights``, forward only; else None) its softmax weights. With
         ``given`` the output and weights are the record's, and only the query is computed, for the
-        backward pass (``attention_with_given_weights``)."""
-        cfg = self.cfg
-        given_scores = None
-        if cache.node_scores is not None and given is None:
-            num_nodes = mask.shape[-1]
-            # The query fusion: the padded tables whole in a forward-only step (their columns past N masked
-            # off), their first N columns where the step keeps weights or differentiates (see DecoderCache).
-            padded = cache.padded_values is not None and cache.node_queries is None and not keep_weights
-            width = None if padded else num_nodes
-            scores = lambda: self.fused_query_scores(cache, current, dynamic, width=width)
-            if cache.node_queries is None:
-                if keep_weights:
-                    return attention_engines.attention_from_scores(scores(), cache.values, mask, self.plan,
-                                                                   with_weights=True)
-                values = cache.values
-                if padded:
-                    values = cache.padded_values
-                    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, values.shape[-2] - num_nodes)))
-                # On a CPU the bounds pay for one instance at a time; in larger chunks YNNPACK runs the maximum,
-                # the exponentials, the value product and the normalisation as one kernel, which the bounded
-                # loop's exponentials break up (docs/performance.md, "Score bounds").
-                if cache.node_score_max is not None and current.shape[0] <= self.plan.score_bound_instances:
-                    bound = self.score_bound(cache, current, dynamic)
-                    return attention_engines.attention_from_bounded_scores(scores, values, mask, bound, self.plan), None
-                return attention_engines.attention_from_scores(scores(), values, mask, self.plan), None
-            given_scores = scores()
-        current = current[..., None].astype(jnp.int32)
-        if cache.node_queries is not None:
-            # The hoisted projection: the node part's row plus the dynamic features' part.
-            kernel = self._query_kernel()                                                 # (D + F, D)
-            query = jnp.take_along_axis(cache.node_queries, current, axis=1) + jnp.einsum(
-                "bpf,fd->bpd", dynamic.astype(cfg.dtype), kernel[cfg.embedding_dim:],
-                preferred_element_type=jnp.float32)                                       # (B, P, D)
-        else:
-            emb = cache.embeddings
-            last = jnp.take_along_axis(emb, current, axis=1)                             # (B, P, D)
-            query = self.Wq_last(jnp.concatenate([last, dynamic.astype(emb.dtype)], axis=-1))
-        # Heads-major (B, H, P, d) products: faster on a CPU than keeping heads inside each query.
-        q = split_heads(query, cfg.num_heads)
-        if given is not None:
-            return attention_engines.attention_with_given_weights(q, cache.keys, cache.values, given.attention_weights,
-                                                                  given.attention, self.plan), None
-        if keep_weights:
-            scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
-            score = jnp.einsum("bhmd,bhnd->bhmn", q, cache.keys, preferred_element_type=jnp.float32) * scale
-            return attention_engines.attention_from_scores(score, cache.values, mask, self.plan, with_weights=True)
-        if given_scores is not None:
-            return attention_engines.attention_with_given_scores(q, cache.keys, cache.values, given_scores, mask,
-                                                                 self.plan), None
-        return multi_head_attention(q, cache.keys, cache.values, mask, plan=self.plan), None
+        backward pass. The reference path is ``projected_attention``; the others are
+        ``engines.decoder_attention``'s."""
+        if cache.attention == "projected" and not keep_weights and given is None:
+            return self.projected_attention(cache, current, dynamic, mask), None
+        return decoder_attention_engine.attend(self, cache, current, dynamic, mask, keep_weights, given)
 
-    def fused_query_scores(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
-                           width: int | None = None) -> jax.Array:
-        """(B, H, P, W) a step's scaled attention scores gathered from the query fusion's tables
-        (``engines.query_tables.gathered_scores``)."""
-        return query_tables.gathered_scores(cache, current, dynamic, width)
+    def projected_query(self, embeddings: jax.Array, current: jax.Array, dynamic: jax.Array) -> jax.Array:
+        """(B, P, D) a step's query: the projection of ``[embedding of the current node, dynamic features]``.
+        embeddings (B, N, D); current int (B, P); dynamic (B, P, F)."""
+        last = jnp.take_along_axis(embeddings, current[..., None].astype(jnp.int32), axis=1)      # (B, P, D)
+        return self.Wq_last(jnp.concatenate([last, dynamic.astype(embeddings.dtype)], axis=-1))
 
-    def score_bound(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array) -> jax.Array:
-        """(B, H, P, 1): an upper bound on each step's largest attention score (``engines.query_tables.score_bound``)."""
-        return query_tables.score_bound(cache, current, dynamic)
+    def projected_attention(self, cache: DecoderCache, current: jax.Array, dynamic: jax.Array,
+                            mask: jax.Array) -> jax.Array:
+        """The reference decoder attention (B, P, D): the projected query attends over the feasible nodes'
+        keys and values (``mask`` (B, P, N), True = feasible)."""
+        q = split_heads(self.projected_query(cache.embeddings, current, dynamic), self.cfg.num_heads)
+        return multi_head_attention(q, cache.keys, cache.values, mask, plan=self.plan)
 
     def decoder_gating_noise(self, num_units: int) -> jax.Array:
         """(num_units, E): the gating noise that a training-mode ``decode`` of ``num_units`` (instance, start)
