@@ -1,0 +1,262 @@
+"""Efficient active search (EAS; Hottung, Kwon & Tierney, ICLR 2022): the node embeddings of each instance adapted
+by gradient steps while every weight of the model stays fixed (EAS-Emb).
+
+Which EAS: EAS-Emb, the variant in which the encoder runs once and its output becomes per-instance parameters.
+All of the node embeddings (B, 8, N, D) are adapted, one set per symmetric copy (``instances.augment_8``): the
+decoder derives everything it reads per rollout from them (multi-head keys and values, the query's node part,
+the single-head scoring keys, and the execution plan's fused tables, ``Policy.precompute``), so the adapted
+decoder is the trained one given other embeddings, under every execution plan and without any change to the
+policy. (The authors' POMO code adapts only the scoring keys, a copy of the embeddings; here that copy and the
+embeddings the query and attention read are one array.) EAS-Lay would add two D x D products to every
+decoding step of every trajectory, about as much work as a step of the fused decoder itself, where EAS-Emb's
+extra work is the precompute once per iteration.
+
+One iteration for one instance (``adapt_iteration``), following the paper's algorithm:
+
+1. from each of the P POMO starts on each of the 8 copies, one rollout sampled by the decoder reading the
+   current embeddings (``rollout.rollout``);
+2. the incumbent (the best solution found so far; initially greedy x8's) becomes the best of those where it
+   is shorter;
+3. the 8P sampled trajectories and the incumbent (on every copy) replayed teacher-forced, differentiably in the
+   embeddings (``forced_log_likelihood``);
+4. ``eas_loss``: POMO's REINFORCE loss of the sampled rollouts (baseline: the mean reward over each copy's
+   starts, ``reinforce.reinforce_loss``) plus ``imitation_weight`` x the incumbent's negative log-likelihood
+   (mean over the copies), and one Adam step (optax) on the embeddings.
+
+Defaults: learning rate 0.0041 and imitation weight 0.013, those of the authors' published search script
+(the paper tunes both per problem; ``search.Settings`` takes others). Instances are independent: each has its
+own embeddings, Adam state and random key (``fold_in(key, i)`` for the i-th instance of the batch), so results
+do not depend on how many devices share them, nor on how many are adapted at once (``chunk``) but for float
+rounding in the embeddings (about 1e-6), which may turn a later draw.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from mvmoe_jax import env, rollout
+from mvmoe_jax.devices import DATA_AXIS, local_mesh
+from mvmoe_jax.execution import ExecutionPlan
+from mvmoe_jax.instances import Instance, augment_8
+from mvmoe_jax.nn.policy import DecoderCache, Policy, PolicyConfig
+from mvmoe_jax.reinforce import reinforce_loss
+
+NUM_COPIES = 8                 # the symmetric copies of each instance (``instances.augment_8``), as the paper
+LEARNING_RATE = 0.0041
+IMITATION_WEIGHT = 0.013
+
+
+@struct.dataclass
+class AdaptState:
+    """The search's state per instance (B): embeddings float32 (B, 8, N, D), the adapted node embeddings of each
+    copy; opt_state, Adam's (optax) state for them (every leaf with the leading B); best_cost float32 (B,) and
+    best_actions int32 (B, T + 1), the incumbent (start node, then T decoded nodes, as ``rollout.rollout``)."""
+
+    embeddings: jax.Array
+    opt_state: optax.OptState
+    best_cost: jax.Array
+    best_actions: jax.Array
+
+
+def optimizer(learning_rate: float) -> optax.GradientTransformation:
+    """Adam, as the paper."""
+    return optax.adam(learning_rate)
+
+
+@partial(jax.jit, static_argnames=("cfg", "plan", "learning_rate"))
+def start(cfg: PolicyConfig, plan: ExecutionPlan, params, inst: Instance, key: jax.Array, best_cost: jax.Array,
+          best_actions: jax.Array, *, learning_rate: float) -> tuple[Instance, AdaptState]:
+    """The 8 copies of each instance of the batch (B, 8, ...) and the initial state: the encoder's embeddings of
+    every copy (from ``key``'s encoder key, as the greedy rollout ``key`` drives), fresh Adam state, and the
+    incumbent given (greedy x8's cost (B,) and actions (B, T + 1))."""
+    b = inst.locs.shape[0]
+    emb, _ = rollout.encode_nodes(Policy(cfg, plan), params, rollout.augmented_batch(inst), key)   # (8B, N, D)
+    emb = jnp.swapaxes(emb.reshape((NUM_COPIES, b) + emb.shape[1:]), 0, 1)                           # (B, 8, N, D)
+    copies = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), augment_8(inst))
+    opt_state = jax.vmap(optimizer(learning_rate).init)(emb)
+    return copies, AdaptState(emb, opt_state, best_cost.astype(jnp.float32), best_actions.astype(jnp.int32))
+
+
+def steps_needed(actions: jax.Array) -> jax.Array:
+    """int32 (...,): decoding steps after which the trajectories ``actions`` (..., T + 1) have all finished: one
+    past the step that decoded the last move to a customer (the next is the final move to the depot), at most
+    T. Step t decodes ``actions[t + 1]``."""
+    t1 = actions.shape[-1]
+    last = jnp.max(jnp.where(actions != 0, jnp.arange(t1), 0), axis=-1)
+    return jnp.minimum(last + 1, t1 - 1).astype(jnp.int32)
+
+
+def forced_log_likelihood(policy: Policy, params, cache: DecoderCache, inst: Instance, actions: jax.Array,
+                          keys: jax.Array, num_steps: jax.Array, gate_trajectories: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """The decoder teacher-forced along given trajectories: (log-likelihood (B, Q), allowed bool (B, Q)).
+
+    actions int32 (B, Q, T + 1): each trajectory's start node, then its T decoded nodes (depot after finishing);
+    keys (T,): the step keys of the rollout (``rollout.decoding_keys``), so that the gating draws are its own.
+    The environment is stepped along the actions; the log-likelihood sums the log-probabilities of the decoded
+    moves (the start excluded, as ``rollout.rollout``) and is differentiable in ``cache``. ``allowed`` is False
+    for a trajectory with a move its mask forbids (an incumbent found on another copy, whose float32 distances
+    may round the other way at a time window or route limit); its log-likelihood stops there. Steps from
+    ``num_steps`` (a traced scalar, every trajectory finished) on are skipped. MVMoE-L's dense-or-MoE
+    probabilities come from the first step of the first ``gate_trajectories`` trajectories of each instance,
+    the rollout's own batch.
+    """
+    b, q, _ = actions.shape
+    states = env.batch_step(env.batch_reset(inst, q), actions[..., 0])
+    n1 = inst.locs.shape[-2]
+    depot_only = jnp.arange(n1) == 0
+
+    def decode(key, states, mask, gate_probs):
+        return policy.apply(params, cache, states.current, rollout.dynamic_features(states), mask, gate_probs,
+                            False, method=Policy.decode, rngs={"gating": rollout.step_keys(key)[0]})
+
+    gate_probs = None
+    if policy.cfg.hierarchical:
+        g = gate_trajectories
+        mask0 = env.batch_action_mask(states)
+        gate_probs = policy.apply(params, cache, states.current[:, :g], rollout.dynamic_features(states)[:, :g],
+                                  mask0[:, :g], None, False, method=Policy.decode,
+                                  rngs={"gating": rollout.step_keys(keys[0])[0]})[2]
+
+    def run(states, ok, key, action):
+        mask = env.batch_action_mask(states)
+        active = ok & ~states.finished
+        allowed = jnp.take_along_axis(mask, action[..., None], axis=-1)[..., 0]
+        # A trajectory already refused reads a depot-only mask, so that its scores stay finite.
+        logp, _, _ = decode(key, states, jnp.where(ok[..., None], mask, depot_only), gate_probs)
+        picked = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
+        ll = jnp.where(active & allowed, picked, 0.0)
+        return env.batch_step(states, action), ok & (allowed | ~active), ll
+
+    def skip(states, ok, key, action):
+        return states, ok, jnp.zeros(ok.shape, jnp.float32)
+
+    def body(carry, xs):
+        states, ok = carry
+        t, key, action = xs
+        states, ok, ll = jax.lax.cond(t < num_steps, run, skip, states, ok, key, action)
+        return (states, ok), ll
+
+    steps = actions.shape[-1] - 1
+    xs = (jnp.arange(steps), keys[:steps], jnp.moveaxis(actions[..., 1:], -1, 0))
+    (_, ok), ll = jax.lax.scan(body, (states, jnp.ones((b, q), bool)), xs)
+    return ll.sum(0), ok
+
+
+def eas_loss(log_likelihood: jax.Array, cost: jax.Array, usable: jax.Array, allowed: jax.Array,
+             imitation_weight: float) -> jax.Array:
+    """One instance's EAS loss: the REINFORCE loss of its sampled rollouts plus ``imitation_weight`` x the
+    incumbent's negative log-likelihood.
+
+    log_likelihood (A, P + 1) and allowed (A, P + 1) (``forced_log_likelihood``) on each of the A copies: the P
+    sampled trajectories, then the incumbent; cost (A, P) and usable (A, P) the sampled ones' (usable: a real
+    POMO start that finished). The incumbent's term is the mean over the copies that allow it."""
+    sampled = usable & allowed[:, :-1]
+    _, policy_gradient = reinforce_loss(log_likelihood[:, :-1], cost, sampled, jnp.float32(0.0), 0.0)
+    incumbent = allowed[:, -1]
+    imitation = -jnp.sum(jnp.where(incumbent, log_likelihood[:, -1], 0.0)) / jnp.maximum(incumbent.sum(), 1)
+    return policy_gradient + imitation_weight * imitation
+
+
+def _sample(policy: Policy, params, copies: Instance, emb: jax.Array, key: jax.Array, *, starts: int):
+    """One instance's sampled rollouts, decoder reading ``emb`` (A, N, D): actions (A, P, T + 1), cost (A, P),
+    usable (A, P)."""
+    cache = policy.apply(params, emb, method=Policy.precompute)
+    out = rollout.rollout(policy, params, copies, pomo_size=starts, decode_type="sampling", rng=key,
+                          encoded=(cache, jnp.float32(0.0)))
+    return out.actions, out.cost, out.valid & out.finished
+
+
+def _adapt(policy: Policy, params, tx: optax.GradientTransformation, imitation_weight: float, copies: Instance,
+           emb: jax.Array, opt_state, trajectories: jax.Array, cost: jax.Array, usable: jax.Array, key: jax.Array, *,
+           num_steps: jax.Array):
+    """One instance's Adam step on its embeddings (A, N, D) from the loss of ``trajectories`` (A, P + 1, T + 1):
+    the sampled ones, then the incumbent. Returns (embeddings, opt_state)."""
+    steps = trajectories.shape[-1] - 1
+    _, keys = rollout.decoding_keys(key, steps)
+    starts = cost.shape[-1]
+
+    def loss_fn(emb):
+        # No query fusion: the gather from its tables would be differentiated as a scatter (Policy.precompute).
+        cache = policy.apply(params, emb, False, method=Policy.precompute)
+        ll, allowed = forced_log_likelihood(policy, params, cache, copies, trajectories, keys, num_steps, starts)
+        return eas_loss(ll, cost, usable, allowed, imitation_weight)
+
+    grads = jax.grad(loss_fn)(emb)
+    updates, opt_state = tx.update(grads, opt_state, emb)
+    return optax.apply_updates(emb, updates), opt_state
+
+
+def _adapt_chunk(policy: Policy, tx: optax.GradientTransformation, imitation_weight: float, starts: int, params,
+                 key: jax.Array, copies: Instance, state: AdaptState, index: jax.Array) -> AdaptState:
+    """An iteration for a chunk of C instances (every argument but params and key with the leading C), each
+    instance drawing from ``fold_in(key, index)``."""
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(index)
+    actions, cost, usable = jax.vmap(partial(_sample, policy, params, starts=starts))(
+        copies, state.embeddings, keys)                                                   # (C, A, P, ...)
+    c, a, p, t1 = actions.shape
+    sampled = jnp.where(usable, cost, jnp.inf).reshape(c, a * p)
+    best = jnp.argmin(sampled, axis=-1)
+    found = jnp.take_along_axis(actions.reshape(c, a * p, t1), best[:, None, None], axis=1)[:, 0]
+    better = sampled.min(-1) < state.best_cost
+    best_cost = jnp.where(better, sampled.min(-1), state.best_cost)
+    best_actions = jnp.where(better[:, None], found, state.best_actions)
+    incumbent = jnp.broadcast_to(best_actions[:, None, None, :], (c, a, 1, t1))
+    trajectories = jnp.concatenate([actions, incumbent], axis=2)                          # (C, A, P + 1, T + 1)
+    # The replay skips the steps after the chunk's last trajectory has finished: a scalar outside the vmap, so
+    # that the skip is a real branch rather than a select of both sides.
+    num_steps = jnp.max(steps_needed(trajectories))
+    adapt = partial(_adapt, policy, params, tx, imitation_weight, num_steps=num_steps)
+    emb, opt_state = jax.vmap(adapt)(copies, state.embeddings, state.opt_state, trajectories, cost, usable, keys)
+    return AdaptState(emb, opt_state, best_cost, best_actions)
+
+
+@partial(jax.jit, static_argnames=("cfg", "plan", "starts", "chunk", "num_devices", "learning_rate",
+                                   "imitation_weight"))
+def adapt_iteration(cfg: PolicyConfig, plan: ExecutionPlan, params, copies: Instance, state: AdaptState,
+                    key: jax.Array, *, starts: int, chunk: int, num_devices: int, learning_rate: float,
+                    imitation_weight: float) -> AdaptState:
+    """One EAS iteration for a batch (B): ``copies`` (B, 8, ...) and ``state`` from ``start``; instance i draws
+    from ``fold_in(key, i)``. ``chunk`` instances are adapted at once (``lax.map`` over chunks), the chunks dealt
+    out over ``num_devices`` devices (see the module docstring for what results depend on)."""
+    policy, tx = Policy(cfg, plan), optimizer(learning_rate)
+    b = copies.locs.shape[0]
+    per_device = -(-b // (chunk * num_devices)) * chunk
+    idx = jnp.concatenate([jnp.arange(b), jnp.zeros(per_device * num_devices - b, jnp.int32)])
+    xs = jax.tree.map(lambda x: x[idx], (copies, state, jnp.arange(b)))
+
+    def by_chunks(params, key, copies, state, index):
+        def one(args):
+            return _adapt_chunk(policy, tx, imitation_weight, starts, params, key, *args)
+        chunked = jax.tree.map(lambda x: x.reshape((-1, chunk) + x.shape[1:]), (copies, state, index))
+        out = jax.lax.map(one, chunked)
+        return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+
+    if num_devices == 1:
+        out = by_chunks(params, key, *xs)
+    else:
+        # check_vma=False: the rollout's loop starts its log-likelihood sum from zeros that do not vary over the
+        # devices and adds sampled choices that do; each device's instances are its own.
+        out = jax.shard_map(by_chunks, mesh=local_mesh(num_devices),
+                            in_specs=(P(), P(), P(DATA_AXIS), P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS),
+                            check_vma=False)(params, key, *xs)
+    return jax.tree.map(lambda x: x[:b], out)
+
+
+def default_chunk(num_instances: int, num_devices: int, plan: ExecutionPlan) -> int:
+    """Instances adapted at once before any memory limit: one on a plan that decodes in cache-sized chunks (a CPU:
+    an instance's 8 copies already make hundreds of trajectories), else a device's whole share."""
+    share = -(-num_instances // num_devices)
+    return 1 if plan.eval_chunk_trajectories else share
+
+
+def adapted_arrays(state: AdaptState, real: int) -> np.ndarray:
+    """The first ``real`` instances' adapted embeddings on the host: float32 (real, 8, N, D)."""
+    return np.asarray(jax.device_get(state.embeddings[:real]), np.float32)
