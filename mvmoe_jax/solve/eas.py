@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import env, rollout
 from mvmoe_jax.devices import DATA_AXIS, local_mesh
@@ -247,6 +247,8 @@ def adapt_iteration(cfg: PolicyConfig, plan: ExecutionPlan, params, copies: Inst
         out = jax.shard_map(by_chunks, mesh=local_mesh(num_devices),
                             in_specs=(P(), P(), P(DATA_AXIS), P(DATA_AXIS), P(DATA_AXIS)), out_specs=P(DATA_AXIS),
                             check_vma=False)(params, key, *xs)
+        # Replicated, as the state came in, so that the next iteration takes it as it is.
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(local_mesh(num_devices), P()))
     return jax.tree.map(lambda x: x[:b], out)
 
 
