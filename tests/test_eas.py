@@ -31,10 +31,10 @@ SMALL_LIGHT = PolicyConfig(model="mvmoe_light", embedding_dim=32, num_heads=4, n
 
 
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_LIGHT], ids=["mvmoe", "mvmoe_light"])
-def test_the_forced_replay_reproduces_the_sampled_log_likelihood(cfg):
+def test_the_forced_replay_reproduces_the_sampled_log_likelihood_and_the_stepwise_gradient_its_own(cfg):
     """Replayed along its own sampled trajectories, with the rollout's step keys, the decoder (in the
     differentiable form, without the query tables) gives each trajectory the log-likelihood the sampling pass
-    summed; MVMoE-L's gate draws included."""
+    summed, MVMoE-L's gate draws included; ``eas_gradient`` agrees with jax.grad through that replay."""
     batch = generated("VRPBLTW", 2, seed=11)
     plan = execution.default_plan("cpu")
     policy = Policy(cfg, plan)
@@ -49,13 +49,21 @@ def test_the_forced_replay_reproduces_the_sampled_log_likelihood(cfg):
                               encoded=(policy.apply(params, emb, method=Policy.precompute), jnp.float32(0.0)))
         cache = policy.apply(params, emb, False, method=Policy.precompute)
         _, keys = rollout.decoding_keys(key, 2 * N)
-        ll, allowed = eas.forced_log_likelihood(policy, params, cache, batch, out.actions, keys,
-                                                jnp.max(eas.steps_needed(out.actions)), N)
-        return out, ll, allowed
+        ll, ok = eas.forced_log_likelihood(policy, params, cache, batch, out.actions, keys, N)
+        # The stepwise gradient of a weighted sum of the log-likelihoods against jax.grad of the replay.
+        weights = jax.random.normal(jax.random.key(5), ll.shape)
+        stepwise = eas.eas_gradient(policy, params, emb, batch, out.actions, weights, keys, N)
+        replayed = jax.grad(lambda e: jnp.sum(weights * eas.forced_log_likelihood(
+            policy, params, policy.apply(params, e, False, method=Policy.precompute), batch, out.actions, keys,
+            N)[0]))(emb)
+        return out, ll, ok, stepwise, replayed
 
-    out, ll, allowed = run(params, batch)
-    assert bool(jnp.all(out.finished)) and bool(jnp.all(allowed))
+    out, ll, ok, stepwise, replayed = run(params, batch)
+    assert bool(jnp.all(out.finished)) and bool(jnp.all(ok))
     np.testing.assert_allclose(np.asarray(ll), np.asarray(out.log_likelihood), rtol=1e-4, atol=1e-3)
+    assert float(jnp.max(jnp.abs(replayed))) > 0
+    np.testing.assert_allclose(np.asarray(stepwise), np.asarray(replayed), rtol=1e-3,
+                               atol=1e-4 * float(jnp.max(jnp.abs(replayed))))
 
 
 def test_a_forbidden_forced_move_stops_the_log_likelihood_with_a_finite_gradient(small_params):
@@ -65,20 +73,22 @@ def test_a_forbidden_forced_move_stops_the_log_likelihood_with_a_finite_gradient
     policy = Policy(SMALL, execution.default_plan("cpu"))
     emb, _ = rollout.encode_nodes(policy, small_params, batch, jax.random.key(0))
     tour = np.zeros((1, 2, 2 * N + 1), np.int32)
-    tour[0, 0, :3] = [1, 2, 0]
+    tour[0, 0, :3] = [1, 2, 0]                    # then the depot again: forbidden with customers left
     tour[0, 1, :4] = [1, 2, 2, 0]                 # customer 2 again: forbidden
     keys = rollout.decoding_keys(jax.random.key(1), 2 * N)[1]
 
-    def first(emb):
+    def second(emb):
         cache = policy.apply(small_params, emb, False, method=Policy.precompute)
-        ll, allowed = eas.forced_log_likelihood(policy, small_params, cache, batch, jnp.asarray(tour), keys,
-                                                jnp.int32(2), 1)          # two steps: the second moves
-        return ll[0, 1], (ll, allowed)
+        ll, ok = eas.forced_log_likelihood(policy, small_params, cache, batch, jnp.asarray(tour), keys, 1)
+        return ll[0, 1], (ll, ok)
 
-    grad, (ll, allowed) = jax.grad(first, has_aux=True)(emb)
-    assert np.asarray(allowed).tolist() == [[True, False]]
+    grad, (ll, ok) = jax.grad(second, has_aux=True)(emb)
+    assert np.asarray(ok).tolist() == [[False, False]]          # the first never returns to serve the rest
     assert np.all(np.isfinite(np.asarray(ll))) and np.all(np.isfinite(np.asarray(grad)))
-    assert float(ll[0, 1]) < 0.0                  # the allowed move before the forbidden one still counts
+    # Both first move to customer 2; the first then counts its move to the depot too, the second stops there.
+    assert float(ll[0, 0]) < float(ll[0, 1]) < 0.0
+    stepwise = eas.eas_gradient(policy, small_params, emb, batch, jnp.asarray(tour), jnp.asarray([[0.0, 1.0]]), keys, 1)
+    np.testing.assert_allclose(np.asarray(stepwise), np.asarray(grad), rtol=1e-4, atol=1e-6)
 
 
 def test_eas_is_never_worse_than_greedy_repeats_by_seed_and_its_routes_pass_the_checker(small_params):

@@ -17,11 +17,11 @@ One iteration for one instance (``adapt_iteration``), following the paper's algo
    current embeddings (``rollout.rollout``);
 2. the incumbent (the best solution found so far; initially greedy x8's) becomes the best of those where it
    is shorter;
-3. the 8P sampled trajectories and the incumbent (on every copy) replayed teacher-forced, differentiably in the
-   embeddings (``forced_log_likelihood``);
-4. ``eas_loss``: POMO's REINFORCE loss of the sampled rollouts (baseline: the mean reward over each copy's
-   starts, ``reinforce.reinforce_loss``) plus ``imitation_weight`` x the incumbent's negative log-likelihood
-   (mean over the copies), and one Adam step (optax) on the embeddings.
+3. the loss (``trajectory_weights``): POMO's REINFORCE loss of the sampled rollouts (baseline: the mean reward
+   over each copy's starts, ``reinforce.reinforce_loss``) plus ``imitation_weight`` x the incumbent's negative
+   log-likelihood (mean over the copies), the log-likelihoods those of the decoder teacher-forced along the 8P
+   sampled trajectories and the incumbent (``forced_log_likelihood``);
+4. its gradient in the embeddings, one decoding step at a time (``eas_gradient``), and one Adam step (optax).
 
 Defaults: learning rate 0.0041 and imitation weight 0.013, those of the authors' published search script
 (the paper tunes both per problem; ``search.Settings`` takes others). Instances are independent: each has its
@@ -84,85 +84,129 @@ def start(cfg: PolicyConfig, plan: ExecutionPlan, params, inst: Instance, key: j
     return copies, AdaptState(emb, opt_state, best_cost.astype(jnp.float32), best_actions.astype(jnp.int32))
 
 
-def steps_needed(actions: jax.Array) -> jax.Array:
-    """int32 (...,): decoding steps after which the trajectories ``actions`` (..., T + 1) have all finished: one
-    past the step that decoded the last move to a customer (the next is the final move to the depot), at most
-    T. Step t decodes ``actions[t + 1]``."""
-    t1 = actions.shape[-1]
-    last = jnp.max(jnp.where(actions != 0, jnp.arange(t1), 0), axis=-1)
-    return jnp.minimum(last + 1, t1 - 1).astype(jnp.int32)
+def _decode(policy: Policy, params, cache: DecoderCache, states: env.State, mask: jax.Array, gate_probs,
+            key: jax.Array):
+    """One evaluation-mode decoding step as ``rollout.rollout`` takes it from step key ``key``: (log-probabilities
+    (B, Q, N), aux loss, gate_probs)."""
+    return policy.apply(params, cache, states.current, rollout.dynamic_features(states), mask, gate_probs, False,
+                        method=Policy.decode, rngs={"gating": rollout.step_keys(key)[0]})
+
+
+def _forced_start(policy: Policy, params, cache: DecoderCache, inst: Instance, actions: jax.Array, key: jax.Array,
+                  gate_trajectories: int, with_vjp: bool = False):
+    """(states (B, Q) after the start moves ``actions[..., 0]``, MVMoE-L's dense-or-MoE probabilities (None for
+    other models) and, ``with_vjp``, their vjp in the cache). The probabilities come from the first step of the
+    first ``gate_trajectories`` trajectories of each instance: the rollout's own batch."""
+    states = env.batch_step(env.batch_reset(inst, actions.shape[1]), actions[..., 0])
+    if not policy.cfg.hierarchical:
+        return states, None, None
+    g = gate_trajectories
+    first = jax.tree.map(lambda x: x[:, :g], (states.current, rollout.dynamic_features(states),
+                                              env.batch_action_mask(states)))
+
+    def gate_probs(c):
+        return policy.apply(params, c, *first, None, False, method=Policy.decode,
+                            rngs={"gating": rollout.step_keys(key)[0]})[2]
+    if with_vjp:
+        return (states,) + jax.vjp(gate_probs, cache)
+    return states, gate_probs(cache), None
+
+
+def _forced_step(states: env.State, ok: jax.Array, action: jax.Array):
+    """The masks of a step along forced moves ``action`` (B, Q): (mask for the decoder, counted: the move's
+    log-probability belongs to the log-likelihood, ok after the move). A trajectory with a move its mask forbids
+    (an incumbent found on another copy, whose float32 distances may round the other way at a time window or
+    route limit) stops counting there, and reads a depot-only mask from then on so that its scores stay finite."""
+    mask = env.batch_action_mask(states)
+    active = ok & ~states.finished
+    allowed = jnp.take_along_axis(mask, action[..., None], axis=-1)[..., 0]
+    depot_only = jnp.arange(mask.shape[-1]) == 0
+    return jnp.where(ok[..., None], mask, depot_only), active & allowed, ok & (allowed | ~active)
 
 
 def forced_log_likelihood(policy: Policy, params, cache: DecoderCache, inst: Instance, actions: jax.Array,
-                          keys: jax.Array, num_steps: jax.Array, gate_trajectories: int
-                          ) -> tuple[jax.Array, jax.Array]:
-    """The decoder teacher-forced along given trajectories: (log-likelihood (B, Q), allowed bool (B, Q)).
+                          keys: jax.Array, gate_trajectories: int) -> tuple[jax.Array, jax.Array]:
+    """The decoder teacher-forced along given trajectories: (log-likelihood (B, Q), ok bool (B, Q)); the
+    reference form of ``eas_gradient`` (``jax.grad`` of ``trajectory_weights . log-likelihood``).
 
     actions int32 (B, Q, T + 1): each trajectory's start node, then its T decoded nodes (depot after finishing);
     keys (T,): the step keys of the rollout (``rollout.decoding_keys``), so that the gating draws are its own.
     The environment is stepped along the actions; the log-likelihood sums the log-probabilities of the decoded
-    moves (the start excluded, as ``rollout.rollout``) and is differentiable in ``cache``. ``allowed`` is False
-    for a trajectory with a move its mask forbids (an incumbent found on another copy, whose float32 distances
-    may round the other way at a time window or route limit); its log-likelihood stops there. Steps from
-    ``num_steps`` (a traced scalar, every trajectory finished) on are skipped. MVMoE-L's dense-or-MoE
-    probabilities come from the first step of the first ``gate_trajectories`` trajectories of each instance,
-    the rollout's own batch.
+    moves (the start excluded, as ``rollout.rollout``) up to the first move its mask forbids (``ok`` False
+    then, see ``_forced_step``), differentiably in ``cache``. MVMoE-L: see ``_forced_start``.
     """
-    b, q, _ = actions.shape
-    states = env.batch_step(env.batch_reset(inst, q), actions[..., 0])
-    n1 = inst.locs.shape[-2]
-    depot_only = jnp.arange(n1) == 0
-
-    def decode(key, states, mask, gate_probs):
-        return policy.apply(params, cache, states.current, rollout.dynamic_features(states), mask, gate_probs,
-                            False, method=Policy.decode, rngs={"gating": rollout.step_keys(key)[0]})
-
-    gate_probs = None
-    if policy.cfg.hierarchical:
-        g = gate_trajectories
-        mask0 = env.batch_action_mask(states)
-        gate_probs = policy.apply(params, cache, states.current[:, :g], rollout.dynamic_features(states)[:, :g],
-                                  mask0[:, :g], None, False, method=Policy.decode,
-                                  rngs={"gating": rollout.step_keys(keys[0])[0]})[2]
-
-    def run(states, ok, key, action):
-        mask = env.batch_action_mask(states)
-        active = ok & ~states.finished
-        allowed = jnp.take_along_axis(mask, action[..., None], axis=-1)[..., 0]
-        # A trajectory already refused reads a depot-only mask, so that its scores stay finite.
-        logp, _, _ = decode(key, states, jnp.where(ok[..., None], mask, depot_only), gate_probs)
-        picked = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
-        ll = jnp.where(active & allowed, picked, 0.0)
-        return env.batch_step(states, action), ok & (allowed | ~active), ll
-
-    def skip(states, ok, key, action):
-        return states, ok, jnp.zeros(ok.shape, jnp.float32)
+    states, gate_probs, _ = _forced_start(policy, params, cache, inst, actions, keys[0], gate_trajectories)
 
     def body(carry, xs):
         states, ok = carry
-        t, key, action = xs
-        states, ok, ll = jax.lax.cond(t < num_steps, run, skip, states, ok, key, action)
-        return (states, ok), ll
+        key, action = xs
+        mask, counted, ok = _forced_step(states, ok, action)
+        logp = _decode(policy, params, cache, states, mask, gate_probs, key)[0]
+        picked = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
+        return (env.batch_step(states, action), ok), jnp.where(counted, picked, 0.0)
 
     steps = actions.shape[-1] - 1
-    xs = (jnp.arange(steps), keys[:steps], jnp.moveaxis(actions[..., 1:], -1, 0))
-    (_, ok), ll = jax.lax.scan(body, (states, jnp.ones((b, q), bool)), xs)
+    ok = jnp.ones(actions.shape[:2], bool)
+    (_, ok), ll = jax.lax.scan(body, (states, ok), (keys[:steps], jnp.moveaxis(actions[..., 1:], -1, 0)))
     return ll.sum(0), ok
 
 
-def eas_loss(log_likelihood: jax.Array, cost: jax.Array, usable: jax.Array, allowed: jax.Array,
-             imitation_weight: float) -> jax.Array:
-    """One instance's EAS loss: the REINFORCE loss of its sampled rollouts plus ``imitation_weight`` x the
-    incumbent's negative log-likelihood.
+def eas_loss(log_likelihood: jax.Array, cost: jax.Array, usable: jax.Array, imitation_weight: float) -> jax.Array:
+    """One instance's EAS loss from the log-likelihoods (A, P + 1) of its A copies' P sampled trajectories and then
+    the incumbent: POMO's REINFORCE loss of the sampled ones (``reinforce.reinforce_loss``; baseline the mean
+    reward over each copy's usable starts) plus ``imitation_weight`` x the incumbent's negative log-likelihood,
+    the mean over the copies. cost (A, P) and usable (A, P) (a real POMO start that finished) of the sampled."""
+    _, policy_gradient = reinforce_loss(log_likelihood[:, :-1], cost, usable, jnp.float32(0.0), 0.0)
+    return policy_gradient - imitation_weight * jnp.mean(log_likelihood[:, -1])
 
-    log_likelihood (A, P + 1) and allowed (A, P + 1) (``forced_log_likelihood``) on each of the A copies: the P
-    sampled trajectories, then the incumbent; cost (A, P) and usable (A, P) the sampled ones' (usable: a real
-    POMO start that finished). The incumbent's term is the mean over the copies that allow it."""
-    sampled = usable & allowed[:, :-1]
-    _, policy_gradient = reinforce_loss(log_likelihood[:, :-1], cost, sampled, jnp.float32(0.0), 0.0)
-    incumbent = allowed[:, -1]
-    imitation = -jnp.sum(jnp.where(incumbent, log_likelihood[:, -1], 0.0)) / jnp.maximum(incumbent.sum(), 1)
-    return policy_gradient + imitation_weight * imitation
+
+def trajectory_weights(cost: jax.Array, usable: jax.Array, imitation_weight: float) -> jax.Array:
+    """float32 (A, P + 1): ``eas_loss`` as a weighted sum of the log-likelihoods, ``sum(weights * ll)``: the loss
+    is linear in them (the advantages are constants of the sampling pass), so the weights are its gradient."""
+    ll = jnp.zeros((cost.shape[0], cost.shape[1] + 1), jnp.float32)
+    return jax.grad(eas_loss)(ll, cost, usable, imitation_weight)
+
+
+def eas_gradient(policy: Policy, params, emb: jax.Array, inst: Instance, actions: jax.Array, weights: jax.Array,
+                 keys: jax.Array, gate_trajectories: int) -> jax.Array:
+    """The gradient in the embeddings emb (B, N, D) of ``sum(weights * forced_log_likelihood(...)[0])``, one decoding
+    step at a time: the loss is linear in each step's log-probabilities, so its gradient is the sum over steps
+    of one step's vector-Jacobian product in the decoder cache; a ``lax.while_loop`` runs exactly the steps
+    until every trajectory has finished and stores nothing across them (as training's
+    ``engines.stepwise_backward``, where the backward of a replayed scan was several times slower), then the
+    cache's cotangent goes back through ``Policy.precompute``. actions, keys, gate_trajectories: as
+    ``forced_log_likelihood``; weights (B, Q)."""
+    cache, cache_vjp = jax.vjp(lambda e: policy.apply(params, e, False, method=Policy.precompute), emb)
+    states, gate_probs, gate_vjp = _forced_start(policy, params, cache, inst, actions, keys[0], gate_trajectories,
+                                                 with_vjp=True)
+    steps = actions.shape[-1] - 1
+
+    def body(carry):
+        t, states, ok, g_cache, g_gate = carry
+        action = jax.lax.dynamic_index_in_dim(actions, t + 1, axis=-1, keepdims=False)
+        mask, counted, next_ok = _forced_step(states, ok, action)
+
+        def objective(c, gp):
+            logp = _decode(policy, params, c, states, mask, gp, keys[t])[0]
+            picked = jnp.take_along_axis(logp, action[..., None], axis=-1)[..., 0]
+            return jnp.sum(jnp.where(counted, weights * picked, 0.0))
+
+        _, step_vjp = jax.vjp(objective, cache, gate_probs)
+        d_cache, d_gate = step_vjp(jnp.float32(1.0))
+        g_gate = None if g_gate is None else g_gate + d_gate
+        return t + 1, env.batch_step(states, action), next_ok, jax.tree.map(jnp.add, g_cache, d_cache), g_gate
+
+    def cond(carry):
+        t, states, ok = carry[:3]
+        return (t < steps) & ~jnp.all(states.finished | ~ok)
+
+    zeros = partial(jax.tree.map, jnp.zeros_like)
+    carry = (jnp.int32(0), states, jnp.ones(actions.shape[:2], bool), zeros(cache),
+             None if gate_probs is None else zeros(gate_probs))
+    _, _, _, g_cache, g_gate = jax.lax.while_loop(cond, body, carry)
+    if gate_vjp is not None:
+        g_cache = jax.tree.map(jnp.add, g_cache, gate_vjp(g_gate)[0])
+    return cache_vjp(g_cache)[0]
 
 
 def _sample(policy: Policy, params, copies: Instance, emb: jax.Array, key: jax.Array, *, starts: int):
@@ -175,21 +219,12 @@ def _sample(policy: Policy, params, copies: Instance, emb: jax.Array, key: jax.A
 
 
 def _adapt(policy: Policy, params, tx: optax.GradientTransformation, imitation_weight: float, copies: Instance,
-           emb: jax.Array, opt_state, trajectories: jax.Array, cost: jax.Array, usable: jax.Array, key: jax.Array, *,
-           num_steps: jax.Array):
+           emb: jax.Array, opt_state, trajectories: jax.Array, cost: jax.Array, usable: jax.Array, key: jax.Array):
     """One instance's Adam step on its embeddings (A, N, D) from the loss of ``trajectories`` (A, P + 1, T + 1):
     the sampled ones, then the incumbent. Returns (embeddings, opt_state)."""
-    steps = trajectories.shape[-1] - 1
-    _, keys = rollout.decoding_keys(key, steps)
-    starts = cost.shape[-1]
-
-    def loss_fn(emb):
-        # No query fusion: the gather from its tables would be differentiated as a scatter (Policy.precompute).
-        cache = policy.apply(params, emb, False, method=Policy.precompute)
-        ll, allowed = forced_log_likelihood(policy, params, cache, copies, trajectories, keys, num_steps, starts)
-        return eas_loss(ll, cost, usable, allowed, imitation_weight)
-
-    grads = jax.grad(loss_fn)(emb)
+    _, keys = rollout.decoding_keys(key, trajectories.shape[-1] - 1)
+    weights = trajectory_weights(cost, usable, imitation_weight)
+    grads = eas_gradient(policy, params, emb, copies, trajectories, weights, keys, cost.shape[-1])
     updates, opt_state = tx.update(grads, opt_state, emb)
     return optax.apply_updates(emb, updates), opt_state
 
@@ -210,10 +245,7 @@ def _adapt_chunk(policy: Policy, tx: optax.GradientTransformation, imitation_wei
     best_actions = jnp.where(better[:, None], found, state.best_actions)
     incumbent = jnp.broadcast_to(best_actions[:, None, None, :], (c, a, 1, t1))
     trajectories = jnp.concatenate([actions, incumbent], axis=2)                          # (C, A, P + 1, T + 1)
-    # The replay skips the steps after the chunk's last trajectory has finished: a scalar outside the vmap, so
-    # that the skip is a real branch rather than a select of both sides.
-    num_steps = jnp.max(steps_needed(trajectories))
-    adapt = partial(_adapt, policy, params, tx, imitation_weight, num_steps=num_steps)
+    adapt = partial(_adapt, policy, params, tx, imitation_weight)
     emb, opt_state = jax.vmap(adapt)(copies, state.embeddings, state.opt_state, trajectories, cost, usable, keys)
     return AdaptState(emb, opt_state, best_cost, best_actions)
 
