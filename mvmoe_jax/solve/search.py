@@ -359,7 +359,7 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
 
 # An EAS iteration's time relative to greedy x8 (one sampled rollout per start and copy, then their replay and its
 # backward pass), for predicting whether the first one fits the time limit.
-EAS_ITERATION_PER_GREEDY = 2.5
+EAS_ITERATION_PER_GREEDY = 4.0
 
 
 def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
