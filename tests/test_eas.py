@@ -24,7 +24,7 @@ from mvmoe_jax.solve import api, eas, search
 from mvmoe_jax.solve.__main__ import main
 
 from conftest import require_shared
-from test_solve import N, SMALL, generated, shipped_small, small_params  # noqa: F401  (fixtures)
+from test_solve import N, SMALL, generated, shipped_small, small_params  # noqa: F401, F811  (fixtures)
 
 SMALL_LIGHT = PolicyConfig(model="mvmoe_light", embedding_dim=32, num_heads=4, num_layers=2, ff_hidden_dim=64,
                            expert_loc=("Enc0", "Dec"))

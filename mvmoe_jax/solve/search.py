@@ -26,6 +26,7 @@ program is sized the same way, in instances (with their 8 copies) adapted at onc
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from functools import partial
@@ -67,9 +68,9 @@ class Settings:
     def __post_init__(self):
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"--time_limit must be a positive number of seconds, got {self.time_limit}")
-        if not (isinstance(self.eas_learning_rate, (int, float)) and 0 < self.eas_learning_rate < float("inf")):
+        if not (isinstance(self.eas_learning_rate, numbers.Real) and 0 < self.eas_learning_rate < float("inf")):
             raise ValueError(f"--eas_learning_rate must be a positive number, got {self.eas_learning_rate!r}")
-        if not (isinstance(self.eas_imitation_weight, (int, float)) and 0 <= self.eas_imitation_weight < float("inf")):
+        if not (isinstance(self.eas_imitation_weight, numbers.Real) and 0 <= self.eas_imitation_weight < float("inf")):
             raise ValueError(f"--eas_imitation_weight must be a number >= 0, got {self.eas_imitation_weight!r}")
         for name in ("rounds", "samples", "max_starts", "memory_budget"):
             value = getattr(self, name)
