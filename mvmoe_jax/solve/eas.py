@@ -17,10 +17,11 @@ One iteration for one instance (``adapt_iteration``), following the paper's algo
    current embeddings (``rollout.rollout``);
 2. the incumbent (the best solution found so far; initially greedy x8's) becomes the best of those where it
    is shorter;
-3. the loss (``trajectory_weights``): POMO's REINFORCE loss of the sampled rollouts (baseline: the mean reward
-   over each copy's starts, ``reinforce.reinforce_loss``) plus ``imitation_weight`` x the incumbent's negative
+3. the loss (``eas_loss``): POMO's REINFORCE loss of the sampled rollouts (baseline: the mean reward over each
+   copy's starts, ``reinforce.reinforce_loss``) plus ``imitation_weight`` x the incumbent's negative
    log-likelihood (mean over the copies), the log-likelihoods those of the decoder teacher-forced along the 8P
-   sampled trajectories and the incumbent (``forced_log_likelihood``);
+   sampled trajectories and the incumbent (``forced_log_likelihood``; on a copy whose mask forbids one of the
+   incumbent's moves, float rounding at a time window or limit, its log-likelihood up to that move);
 4. its gradient in the embeddings, one decoding step at a time (``eas_gradient``), and one Adam step (optax).
 
 Defaults: learning rate 0.0041 and imitation weight 0.013, those of the authors' published search script
