@@ -367,9 +367,9 @@ def test_while_no_model_ships_the_checkpoint_is_required(tmp_path, monkeypatch, 
 
 def test_the_search_choices_are_the_implemented_ones(capsys):
     with pytest.raises(SystemExit) as err:
-        main(["x.vrp", "--search=eas"])
+        main(["x.vrp", "--search=beam"])
     assert err.value.code == 2
-    assert "invalid choice: 'eas' (choose from 'greedy', 'sampling')" in capsys.readouterr().err.replace('"', "'")
+    assert "invalid choice: 'beam' (choose from 'greedy', 'sampling', 'eas')" in capsys.readouterr().err.replace('"', "'")
 
 
 def test_the_closest_shipped_model_is_chosen(shipped_small):

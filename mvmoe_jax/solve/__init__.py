@@ -1,8 +1,9 @@
 """Solve one's own instances with a trained policy: ``python -m mvmoe_jax.solve`` and its library form.
 
-Modules: ``inputs`` (any input -> problems), ``models`` (which checkpoint), ``search`` (greedy and sampling
-under memory and time limits), ``outputs`` (``.sol`` files, the JSON summary, the table), ``plot`` (PNGs),
-``api`` (``solve``, ``solve_instances``).
+Modules: ``inputs`` (any input -> problems), ``models`` (which checkpoint), ``search`` (greedy, sampling and
+efficient active search under memory and time limits), ``eas`` (EAS-Emb's per-instance adaptation),
+``outputs`` (``.sol`` files, the JSON summary, the table, adapted embeddings), ``plot`` (PNGs), ``api``
+(``solve``, ``solve_instances``).
 """
 
 import importlib

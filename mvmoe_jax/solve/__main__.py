@@ -1,12 +1,13 @@
 """Solve one's own routing instances with a trained policy; write routes, a summary and plots.
 
-    python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling] [--time_limit=S]
-        [--output=DIR] [--plot] [--problem=VARIANT] [--bks=BKS.json]
+    python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas] [--time_limit=S]
+        [--output=DIR] [--plot] [--problem=VARIANT] [--bks=BKS.json] [--save_adapted=FILE.npz]
 
 INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
 and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
 (``mvmoe_jax.io.json_instances``). Writes ``DIR/<instance>.sol`` (VRPLIB solution format), with ``--plot``
-``DIR/<instance>.png``, and ``DIR/summary.json``; prints a table. Exit status: 0 when every instance was
+``DIR/<instance>.png``, and ``DIR/summary.json``; with ``--search=eas --save_adapted=FILE`` the adapted
+embeddings (``outputs.write_adapted``); prints a table. Exit status: 0 when every instance was
 solved, 1 when some inputs were refused (the others are solved and written) or a route failed the checker
 (nothing is written for it), 2 for a bad command line or when nothing could be read.
 """
@@ -18,19 +19,29 @@ import sys
 
 
 def _parser(searches) -> argparse.ArgumentParser:
+    from mvmoe_jax.solve import eas
+
     p = argparse.ArgumentParser(prog="python -m mvmoe_jax.solve", description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="instance files or folders of them")
     p.add_argument("--checkpoint", default=None, help="shipped model name or checkpoint path (orbax directory, "
                    "training workdir or original .pt); default: the shipped model closest to the instance size")
     p.add_argument("--search", default="greedy", choices=list(searches),
                    help="greedy: greedy x8 from every POMO start (default); sampling: then sampled rollouts per "
-                        "start and augmentation, keeping the best")
+                        "start and augmentation, keeping the best; eas: then efficient active search (EAS-Emb: each "
+                        "instance's node embeddings adapted by gradient steps), keeping the best")
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds per instance for the search, greedy included (compilation not)")
     p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
-                   "--time_limit); a run is repeated exactly by the same seed and its reported rounds")
+                   "--time_limit); eas: iterations (default 50 without --time_limit); a run is repeated exactly by "
+                   "the same seed and its reported rounds")
     p.add_argument("--samples", type=int, default=8, help="sampling: rollouts per POMO start and augmentation a round")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    p.add_argument("--eas_learning_rate", type=float, default=eas.LEARNING_RATE, help="eas: Adam's step size")
+    p.add_argument("--eas_imitation_weight", type=float, default=eas.IMITATION_WEIGHT,
+                   help="eas: weight of the imitation loss (the best solution's negative log-likelihood)")
+    p.add_argument("--save_adapted", default=None, metavar="FILE",
+                   help="eas: write each instance's adapted embeddings to this .npz file (format: "
+                        "mvmoe_jax/solve/outputs.py)")
     p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default all n)")
     p.add_argument("--problem", default=None, help="the variant (e.g. OVRPTW) when the data does not say it all: "
                    "open routes, or a paper .pkl named otherwise")
@@ -65,7 +76,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
                            rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
                            problem=args.problem, num_instances=args.num_instances, bks=args.bks,
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
-                           progress=not args.no_progress, execution=plan)
+                           progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
+                           eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)
@@ -87,6 +99,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
     written = sum("sol" in s.files for s in report.solutions)
     print(f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s (compilation {report.compile_seconds:.1f} s); "
           f"wrote {written} .sol file(s) and {report.summary_file}")
+    if report.adapted_file is not None:
+        print(f"adapted embeddings: {report.adapted_file}")
     return 1 if failed or report.refused else 0
 
 

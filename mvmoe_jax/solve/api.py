@@ -27,7 +27,7 @@ from mvmoe_jax import checker, precision
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
-from mvmoe_jax.solve import outputs
+from mvmoe_jax.solve import eas, outputs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
 from mvmoe_jax.solve.models import Models
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
@@ -60,8 +60,11 @@ class Solution:
       feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
       violation:    the checker's finding when not feasible, else None.
       seconds:      the instance's share of its batch's search time (compilation excluded).
-      starts:       POMO starts decoded; search, rounds (sampling rounds run), model (the checkpoint).
+      starts:       POMO starts decoded; search, rounds (sampling rounds or EAS iterations run), model (the
+                    checkpoint).
       files:        what was written for it ({"sol": path, "plot": path}).
+      adapted:      EAS's adapted node embeddings, float32 (8, n + 1, D), one set per symmetric copy, when asked
+                    for (``keep_adapted``); else None. Not in the JSON summary.
     """
 
     name: str
@@ -82,10 +85,11 @@ class Solution:
     rounds: int
     model: str
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    adapted: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
     def to_json(self) -> dict:
         """The summary's entry; a route the checker refused is left out (``routes`` null), as from every file."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "adapted"}
         if not self.feasible:
             out["routes"] = None
         return out
@@ -95,7 +99,8 @@ class Solution:
 class SolveReport:
     """A run: its solutions (input order), the inputs refused, and how it ran. ``plans``: per size and
     program, the decoding plan (starts and chunks, ``search.DecodePlan``); ``models``: the checkpoint used per
-    size; seconds: the whole run's wall time; compile_seconds: compilation within it."""
+    size; seconds: the whole run's wall time; compile_seconds: compilation within it; summary_file and
+    adapted_file: what was written (``outputs.write_adapted``)."""
 
     solutions: list[Solution]
     refused: list[Refused]
@@ -107,6 +112,7 @@ class SolveReport:
     compile_seconds: float
     seconds: float
     summary_file: str | None = None
+    adapted_file: str | None = None
 
     def table(self) -> str:
         return outputs.table(self.solutions, self.search)
@@ -116,7 +122,7 @@ class SolveReport:
                 "models": {str(n): m for n, m in self.models.items()}, "plans": self.plans,
                 "device": str(jax.local_devices()[0].device_kind), "num_devices": len(jax.local_devices()),
                 "seconds": self.seconds, "compile_seconds": self.compile_seconds,
-                "instances": [s.to_json() for s in self.solutions],
+                "adapted_file": self.adapted_file, "instances": [s.to_json() for s in self.solutions],
                 "refused": [dataclasses.asdict(r) for r in self.refused]}
 
 
@@ -159,12 +165,16 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                    search: str = "greedy", settings: Settings = Settings(), seed: int = 0,
                    batch_size: int | None = None, progress: bool = False,
                    on_solution: Callable[[Problem, Solution], None] | None = None,
-                   execution: ExecutionPlan | None = None) -> tuple[list[Solution], dict[str, str], float]:
+                   execution: ExecutionPlan | None = None, keep_adapted: bool = False
+                   ) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
-    each is found. ``execution``: the execution plan (None: the default backend's preset)."""
+    each is found. ``execution``: the execution plan (None: the default backend's preset). ``keep_adapted``:
+    each Solution keeps EAS's adapted embeddings (``search="eas"`` only)."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
+    if keep_adapted and search != "eas":
+        raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
     out: list[Solution | None] = [None] * len(problems)
     plans, compile_s, decoders = {}, 0.0, {}
     base = jax.random.key(seed)
@@ -186,7 +196,9 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         checks = checker.check_routes(real, [checker.actions_to_route(a) for a in res.actions[:len(group)]])
         for j, (i, p) in enumerate(zip(idx, group)):
             out[i] = _solution(p, res.actions[j], res.greedy_actions[j], checks[j], float(res.cost[j]),
-                               seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search, rounds=res.rounds, model=name)
+                               seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search,
+                               rounds=res.rounds, model=name,
+                               adapted=res.adapted[j] if keep_adapted else None)
             if on_solution is not None:
                 on_solution(p, out[i])
         bar.update(len(group))
@@ -210,12 +222,15 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           rounds: int | None = None, samples: int = 8, max_starts: int | None = None, seed: int = 0,
           problem: str | None = None, num_instances: int | None = None, bks: str | None = None,
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
-          memory_budget: int | None = None, execution: ExecutionPlan | None = None) -> SolveReport:
+          memory_budget: int | None = None, execution: ExecutionPlan | None = None,
+          eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
+          save_adapted: str | None = None) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
     shipped model trained closest to it. search: a name in ``search.SEARCHES``; time_limit, rounds, samples,
-    max_starts, memory_budget: ``search.Settings``. problem: the variant, when the data does not say it all
+    max_starts, memory_budget, eas_learning_rate, eas_imitation_weight: ``search.Settings``. save_adapted: with
+    ``search="eas"``, a file for the adapted embeddings of every instance (``outputs.write_adapted``). problem: the variant, when the data does not say it all
     (``inputs.state_variant``). num_instances: at most this many from each file of several. bks: a table of
     best-known values (BKS.json style). output: a folder for a ``.sol`` per instance (and with ``plot`` a
     PNG) and ``summary.json``; None writes nothing. execution: the execution plan (None: the default backend's
@@ -231,8 +246,11 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
         raise ValueError(f"--num_instances must be a positive integer, got {num_instances}")
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"--batch_size must be a positive integer, got {batch_size}")
+    if save_adapted is not None and search != "eas":
+        raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
     settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
-                        memory_budget=memory_budget)
+                        memory_budget=memory_budget, eas_learning_rate=eas_learning_rate,
+                        eas_imitation_weight=eas_imitation_weight)
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not paths:
         raise ValueError("no input given: name files or folders of instances")
@@ -253,9 +271,12 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
                                                      batch_size=batch_size, progress=progress,
-                                                     on_solution=_write(output, plot), execution=execution)
+                                                     on_solution=_write(output, plot), execution=execution,
+                                                     keep_adapted=save_adapted is not None)
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
                          models=names, plans=plans, compile_seconds=compile_s, seconds=0.0)
+    if save_adapted is not None:
+        report.adapted_file = outputs.write_adapted(save_adapted, solutions)
     report.seconds = time.perf_counter() - t_start
     if output is not None:
         report.summary_file = outputs.write_summary(os.path.join(output, SUMMARY_FILE), report.to_json())
@@ -263,14 +284,16 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
 
 
 def solve_instances(cfg: PolicyConfig, params, batch: Instance, *, search: str = "greedy", seed: int = 0,
-                    batch_size: int | None = None, **settings) -> list[Solution]:
+                    batch_size: int | None = None, keep_adapted: bool = False, **settings) -> list[Solution]:
     """Solve a batched Instance already in memory (B instances, unit square) with the policy (cfg, params):
-    one Solution per instance, costs in the Instance's units. ``settings``: ``search.Settings`` fields."""
+    one Solution per instance, costs in the Instance's units. ``settings``: ``search.Settings`` fields.
+    ``keep_adapted``: with ``search="eas"``, each Solution's ``adapted`` holds its adapted embeddings."""
     k = int(batch.locs.shape[0])
     problems = [Problem(name=f"instance-{i}", source=f"<batch>#{i}", instance=jax.tree.map(lambda x: x[i], batch),
                         coords=np.asarray(batch.locs[i], np.float64)) for i in range(k)]
     checker.validate_instances(batch, "batch")
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         solutions, _, _ = solve_problems(problems, lambda n: ("<given>", cfg, params), search=search,
-                                         settings=Settings(**settings), seed=seed, batch_size=batch_size)
+                                         settings=Settings(**settings), seed=seed, batch_size=batch_size,
+                                         keep_adapted=keep_adapted)
     return solutions

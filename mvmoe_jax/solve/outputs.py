@@ -5,6 +5,17 @@ and the table printed at the end. Only solutions that passed the checker reach t
 the Instance's order (a VRPLIB file's node k + 1 is customer k; the depot, node 1, is 0 and not listed), then
 ``Cost: <cost>`` in the file's units under the environment's rules (unrounded Euclidean lengths; an open
 route ends at its last customer).
+
+``--save_adapted=PATH`` (``write_adapted``) writes EAS's adapted parameters to one ``.npz`` file (plain arrays,
+read with ``numpy.load(PATH)``; no pickled objects). Per instance size n solved:
+
+  ``embeddings_n<n>``  float32 (K, 8, n + 1, D): each instance's adapted node embeddings (the encoder's output,
+                       which EAS-Emb adapts; depot first, then customers 1..n), one set per symmetric copy in
+                       ``instances.augment_8``'s order (``copies`` below);
+  ``names_n<n>``       str (K,): the instances, as in the ``.sol`` files and the summary, in input order;
+  ``sources_n<n>``     str (K,): where each was read from; ``model_n<n>`` str (): the checkpoint.
+
+and ``method`` str () (``eas-emb``) and ``copies`` str (8,): each copy's coordinates from the instance's (x, y).
 """
 
 from __future__ import annotations
@@ -57,3 +68,26 @@ def table(solutions, search: str) -> str:
         lines.append("(gaps of VRPLIB instances compare the cost with every edge rounded to an integer, CVRPLIB's "
                      "convention; the cost column is unrounded)")
     return "\n".join(lines)
+
+
+COPIES = ("(x, y)", "(1-x, y)", "(x, 1-y)", "(1-x, 1-y)", "(y, x)", "(1-y, x)", "(y, 1-x)", "(1-y, 1-x)")
+
+
+def write_adapted(path: str, solutions) -> str:
+    """EAS's adapted embeddings of ``solutions`` (each with ``adapted``) in the layout of the module docstring;
+    returns ``path`` (written as given: numpy adds no ``.npz``)."""
+    by_size: dict[int, list] = {}
+    for s in solutions:
+        if s.adapted is None:
+            raise ValueError(f"{s.name}: no adapted parameters to save (solved with --search={s.search})")
+        by_size.setdefault(s.num_customers, []).append(s)
+    arrays = {"method": np.array("eas-emb"), "copies": np.array(COPIES)}
+    for n, group in by_size.items():
+        arrays[f"embeddings_n{n}"] = np.stack([np.asarray(s.adapted, np.float32) for s in group])
+        arrays[f"names_n{n}"] = np.array([s.name for s in group])
+        arrays[f"sources_n{n}"] = np.array([s.source for s in group])
+        arrays[f"model_n{n}"] = np.array(group[0].model)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return path

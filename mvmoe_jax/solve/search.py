@@ -11,16 +11,22 @@ finds, so none returns a route worse than greedy's.
   a round, all in one batched program), until ``time_limit`` seconds per instance (greedy included,
   compilation not) or ``rounds`` rounds are spent. Round r draws from ``fold_in(key, r)``, so a run with the
   same seed, inputs and options is repeated exactly by ``rounds`` = the rounds it reports.
+- ``eas``: efficient active search (``eas``: EAS-Emb, each instance's node embeddings adapted by Adam on
+  REINFORCE over one sampled rollout per start and copy plus imitation of the incumbent), iterations under the
+  same time limit and round count (iteration r draws from ``fold_in(key, r)``, likewise repeatable), keeping
+  the best solution found; ``BatchResult.adapted`` holds the adapted embeddings.
 
 Memory: a decoding program is compiled for the batch and its size checked against ``Settings.memory_budget``
 (default: what the device has free; on a CPU half the free memory, shared by its devices). When it does not
 fit, fewer augmented instances are decoded at once (chunks, decoded one after another; same results), and
-when one at a time still does not fit, fewer POMO starts are used; ``DecodePlan`` says what was done.
+when one at a time still does not fit, fewer POMO starts are used; ``DecodePlan`` says what was done. EAS's
+program is sized the same way, in instances (with their 8 copies) adapted at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import time
 from functools import partial
@@ -36,27 +42,36 @@ from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
 from mvmoe_jax.execution import ExecutionPlan, default_plan
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.solve import eas
 
 DEFAULT_ROUNDS = 10          # sampling rounds when neither a time limit nor a number of rounds is given
+DEFAULT_EAS_ROUNDS = 50      # EAS iterations when neither a time limit nor a number of rounds is given
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """time_limit: seconds per instance for greedy and search together (compilation excluded); rounds: at
-    most this many sampling rounds (default ``DEFAULT_ROUNDS`` when there is no time limit); samples:
-    sampled rollouts per POMO start and augmentation in a round; max_starts: at most this many POMO starts
-    (default all n); memory_budget: bytes a decoding program may use on each device (default: see the module
-    docstring)."""
+    most this many sampling rounds or EAS iterations (default ``DEFAULT_ROUNDS``, ``DEFAULT_EAS_ROUNDS``
+    when there is no time limit); samples: sampled rollouts per POMO start and augmentation in a sampling
+    round; max_starts: at most this many POMO starts (default all n); memory_budget: bytes a decoding program
+    may use on each device (default: see the module docstring); eas_learning_rate and eas_imitation_weight:
+    EAS's Adam step size and weight of the imitation loss (``eas``)."""
 
     time_limit: float | None = None
     rounds: int | None = None
     samples: int = 8
     max_starts: int | None = None
     memory_budget: int | None = None
+    eas_learning_rate: float = eas.LEARNING_RATE
+    eas_imitation_weight: float = eas.IMITATION_WEIGHT
 
     def __post_init__(self):
         if self.time_limit is not None and not self.time_limit > 0:
             raise ValueError(f"--time_limit must be a positive number of seconds, got {self.time_limit}")
+        if not (isinstance(self.eas_learning_rate, numbers.Real) and 0 < self.eas_learning_rate < float("inf")):
+            raise ValueError(f"--eas_learning_rate must be a positive number, got {self.eas_learning_rate!r}")
+        if not (isinstance(self.eas_imitation_weight, numbers.Real) and 0 <= self.eas_imitation_weight < float("inf")):
+            raise ValueError(f"--eas_imitation_weight must be a number >= 0, got {self.eas_imitation_weight!r}")
         for name in ("rounds", "samples", "max_starts", "memory_budget"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
@@ -65,8 +80,9 @@ class Settings:
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """How a batch shape is decoded: ``starts`` of the ``num_customers`` POMO starts, ``chunk`` rows (augmented
-    or sampled instance copies) of ``rows`` at a time, ``memory_bytes`` of ``budget`` per device."""
+    """How a batch shape is decoded: ``starts`` of the ``num_customers`` POMO starts, ``chunk`` rows of ``rows``
+    at a time, ``memory_bytes`` of ``budget`` per device. ``unit`` names the rows: augmented or sampled instance
+    copies, or for EAS instances (each with its 8 copies)."""
 
     num_customers: int
     starts: int
@@ -74,6 +90,7 @@ class DecodePlan:
     rows: int
     memory_bytes: int
     budget: int
+    unit: str = "instance copies"
 
     @property
     def reduced_starts(self) -> bool:
@@ -82,14 +99,16 @@ class DecodePlan:
     def describe(self) -> str:
         starts = (f"{self.starts} of {self.num_customers} POMO starts" if self.reduced_starts
                   else f"all {self.starts} POMO starts")
-        return f"{starts}, {self.chunk} of {self.rows} instance copies decoded at a time"
+        return f"{starts}, {self.chunk} of {self.rows} {self.unit} decoded at a time"
 
 
 @dataclasses.dataclass
 class BatchResult:
     """Per instance of the batch (B): cost float32 (B,) of the best route found (unit square), actions int32
-    (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds run; seconds: the
-    batch's wall time without compilation; compile_seconds; plans: the DecodePlan of each program used."""
+    (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds
+    or EAS iterations run; seconds: the batch's wall time without compilation; compile_seconds; plans: the
+    DecodePlan of each program used; adapted: EAS's adapted node embeddings of the first ``real`` instances,
+    float32 (real, 8, N, D) (``eas``), else None."""
 
     cost: np.ndarray
     actions: np.ndarray
@@ -99,6 +118,7 @@ class BatchResult:
     seconds: float
     compile_seconds: float
     plans: dict[str, DecodePlan]
+    adapted: np.ndarray | None = None
 
 
 def memory_budget_bytes() -> int:
@@ -140,7 +160,7 @@ def _smaller(value: int, need: int, budget: int, last: tuple[int, int] | None) -
 
 
 def fit_to_memory(compile_at: Callable[[int, int], object], *, rows: int, starts: int, chunk: int, budget: int,
-                  num_customers: int):
+                  num_customers: int, unit: str = "instance copies"):
     """Compile ``compile_at(chunk, starts)`` (a compiled program with ``memory_analysis``), shrinking the chunk
     and then the starts until it needs at most ``budget`` bytes per device. Returns (compiled, DecodePlan)."""
     last_chunk = last_starts = None
@@ -148,7 +168,7 @@ def fit_to_memory(compile_at: Callable[[int, int], object], *, rows: int, starts
         compiled = compile_at(chunk, starts)
         need = compiled.memory_bytes() if hasattr(compiled, "memory_bytes") else program_memory_bytes(compiled)
         if need <= budget:
-            return compiled, DecodePlan(num_customers, starts, chunk, rows, need, budget)
+            return compiled, DecodePlan(num_customers, starts, chunk, rows, need, budget, unit)
         if chunk > 1:
             chunk, last_chunk = _smaller(chunk, need, budget, last_chunk), (chunk, need)
         elif starts > 1:
@@ -269,6 +289,30 @@ class Decoder:
             chunk=_default_chunk(starts, rows, self.num_devices, self.execution), num_customers=n))
 
 
+    def eas_program(self, batch: Instance, starts: int):
+        """((compiled ``eas.start``, compiled ``eas.adapt_iteration``), DecodePlan, seconds spent compiling now) for
+        ``starts`` POMO starts; the iteration sized to the memory budget in instances adapted at once."""
+        b, n = batch.locs.shape[0], batch.locs.shape[1] - 1
+        lr, weight = self.settings.eas_learning_rate, self.settings.eas_imitation_weight
+        incumbent = (jnp.zeros((b,), jnp.float32), jnp.zeros((b, 2 * n + 1), jnp.int32))   # greedy's shapes
+        args = rollout.replicated((self.params, batch, jax.random.key(0)) + incumbent, self.num_devices)
+
+        def build():
+            start = eas.start.lower(self.cfg, self.execution, *args, learning_rate=lr).compile()
+            copies, state = start(*args)
+            iteration_args = rollout.replicated((self.params, copies, state, jax.random.key(0)), self.num_devices)
+
+            def compile_at(chunk, p):
+                return eas.adapt_iteration.lower(self.cfg, self.execution, *iteration_args, starts=p, chunk=chunk,
+                                                 num_devices=self.num_devices, learning_rate=lr,
+                                                 imitation_weight=weight).compile()
+            compiled, decode_plan = fit_to_memory(
+                compile_at, rows=b, starts=starts, chunk=eas.default_chunk(b, self.num_devices, self.execution),
+                budget=self.budget, num_customers=n, unit="instances (8 copies each)")
+            return (start, compiled), decode_plan
+        return self._cached(("eas", b, n, starts, lr, weight), build)
+
+
 def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 from every start (within the memory plan)."""
     compiled, decode_plan, compile_s = decoder.greedy_program(batch)
@@ -314,7 +358,49 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     return result
 
 
+# An EAS iteration's time relative to greedy x8 (one sampled rollout per start and copy, then their replay and its
+# backward pass), for predicting whether the first one fits the time limit.
+EAS_ITERATION_PER_GREEDY = 4.0
+
+
+def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
+    """Greedy x8 as the incumbent, then EAS iterations (``eas``) while the time limit and round count allow."""
+    result = greedy_search(decoder, batch, key, real)
+    settings = decoder.settings
+    max_rounds = settings.rounds
+    if max_rounds is None and settings.time_limit is None:
+        max_rounds = DEFAULT_EAS_ROUNDS
+    budget = None if settings.time_limit is None else settings.time_limit * real
+    (start, iteration), decode_plan, compile_s = decoder.eas_program(batch, result.plans["greedy"].starts)
+    result.compile_seconds += compile_s
+    result.plans["eas"] = decode_plan
+    greedy_seconds = result.seconds
+    t0 = time.perf_counter()
+    copies, state = start(*rollout.replicated((decoder.params, batch, key, result.cost, result.actions),
+                                              decoder.num_devices))
+    jax.block_until_ready(state)
+    result.seconds += time.perf_counter() - t0
+    round_key = jax.random.fold_in(key, 1)
+    last = None
+    while max_rounds is None or result.rounds < max_rounds:
+        # An iteration starts only when it should end within the budget (as sampling's rounds).
+        predicted = last if last is not None else EAS_ITERATION_PER_GREEDY * greedy_seconds
+        if budget is not None and result.seconds + predicted > budget:
+            break
+        t0 = time.perf_counter()
+        k = rollout.replicated(jax.random.fold_in(round_key, result.rounds), decoder.num_devices)
+        state = jax.block_until_ready(iteration(decoder.params, copies, state, k))
+        last = time.perf_counter() - t0
+        result.seconds += last
+        result.rounds += 1
+    cost, actions = jax.device_get((state.best_cost, state.best_actions))
+    result.cost, result.actions = np.asarray(cost), np.asarray(actions)
+    result.adapted = eas.adapted_arrays(state, real)
+    return result
+
+
 SEARCHES: dict[str, Callable[[Decoder, Instance, jax.Array, int], BatchResult]] = {
     "greedy": greedy_search,
     "sampling": sampling_search,
+    "eas": eas_search,
 }
