@@ -336,3 +336,41 @@ def test_batched_matmul_benchmark(tmp_path):
     for r in res["rows"]:
         flops = 2.0 * r["m"] * r["k"] * r["n"] * float(np.prod(r["batch"]))
         assert r["seconds"] > 0 and r["gflops"] * 1e9 * r["seconds"] == pytest.approx(flops)
+
+
+def test_paper_tables_group_and_format_the_evaluations(tmp_path):
+    """benchmarks/paper_tables.py: trained and unseen means (the paper's only where it has every variant),
+    Set-X size groups and Solomon classes from per-instance results, learning curves from a metrics file,
+    and the markdown naming every model and section."""
+    tables = _benchmarks_module("paper_tables")
+    paper = {"CVRP": {"MVMoE/4E": {"n50": {"gap": "0.896"}}}, "OVRPBLTW": {"MVMoE/4E": {"n50": {"gap": "*"}}}}
+    results = {"CVRP": {"mean": 10.5, "gap": 2.0, "seconds": 3.0}, "VRPTW": {"mean": 16.0, "gap": 4.0, "seconds": 4.0},
+               "OVRPBLTW": {"mean": 9.0, "gap": 7.0, "seconds": 5.0}}
+    rows = tables.dataset_rows(results, paper, "MVMoE/4E", 50)
+    assert [r["paper_gap"] for r in rows] == [pytest.approx(0.896), None, None]
+    means = tables.group_means(rows)
+    assert means["trained"] == {"variants": 2, "gap": pytest.approx(3.0), "paper_gap": None}
+    assert means["unseen"]["gap"] == pytest.approx(7.0) and means["unseen"]["paper_gap"] is None
+    setx = tables.setx_groups({"X-n101-k25": {"n": 100, "gap": 2.0, "seconds": 1.0},
+                               "X-n190-k8": {"n": 189, "gap": 4.0, "seconds": 3.0},
+                               "X-n251-k28": {"n": 250, "gap": 9.0, "seconds": 5.0},
+                               "X-n106-k14": {"n": 105, "gap": None, "seconds": 1.0}})
+    assert [(g["instances"], g["gap"]) for g in setx] == [(2, pytest.approx(3.0)), (1, pytest.approx(9.0))]
+    classes = tables.solomon_classes({"RC101": {"gap": 1.0, "seconds": 1.0}, "R101": {"gap": 3.0, "seconds": 1.0},
+                                      "R102": {"gap": 5.0, "seconds": 1.0}, "C101": {"gap": None, "seconds": 1.0}})
+    assert [(c["class"], c["instances"], c["gap"]) for c in classes] == [("R1", 2, pytest.approx(4.0)),
+                                                                         ("RC1", 1, pytest.approx(1.0))]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in [
+        {"epoch": 1, "train": {}},
+        {"epoch": 2, "val": {"CVRP": {"obj": 1, "gap": 10.0}, "VRPTW": {"obj": 1, "gap": 20.0},
+                             "OVRPB": {"obj": 1, "gap": 30.0}}}]) + "\n")
+    assert tables.curve_points(str(metrics), 20000) == [{"epoch": 2, "instances": 40000, "trained": 15.0,
+                                                         "unseen": 30.0}]
+    assert os.path.getsize(tables.plot_curves({"m": tables.curve_points(str(metrics), 20000)},
+                                              str(tmp_path / "c.png"))) > 0
+    report = {"machine": "m", "commit": "c", "date": "d", "num_instances": 5,
+              "models": {"ours": {"n50": {"rows": rows, "means": means}, "setx": {"rows": setx}}}}
+    text = tables.markdown(report)
+    assert "| CVRP | 2.00 (0.90) |" in text and "| mean, trained | 3.00 (-) |" in text
+    assert "| 100 <= n < 200 | 2 | 3.00 | 2.00 |" in text and "Solomon" not in text
