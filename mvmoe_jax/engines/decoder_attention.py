@@ -58,14 +58,15 @@ def attend(policy, cache, current: jax.Array, dynamic: jax.Array, mask: jax.Arra
                                                               given.attention, plan), None
     if cache.attention == "score_tables":
         return _from_score_tables(policy, cache, current, dynamic, mask, keep_weights)
+    if cache.attention == "given_scores" and not keep_weights:
+        scores = query_tables.gathered_scores(cache, current, dynamic, mask.shape[-1])
+        q = step_query(policy, cache, current, dynamic)
+        return attention_engines.attention_with_given_scores(q, cache.keys, cache.values, scores, mask, plan), None
     q = step_query(policy, cache, current, dynamic)
     if keep_weights:
         scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
         score = jnp.einsum("bhmd,bhnd->bhmn", q, cache.keys, preferred_element_type=jnp.float32) * scale
         return attention_engines.attention_from_scores(score, cache.values, mask, plan, with_weights=True)
-    if cache.attention == "given_scores":
-        scores = query_tables.gathered_scores(cache, current, dynamic, mask.shape[-1])
-        return attention_engines.attention_with_given_scores(q, cache.keys, cache.values, scores, mask, plan), None
     return multi_head_attention(q, cache.keys, cache.values, mask, plan=plan), None
 
 
