@@ -17,6 +17,10 @@ import numpy as np
 CPU_COLLECTIVES = "gloo"
 
 
+class ProcessFailure(RuntimeError):
+    """A computation failed in a run of several processes, most often because another process stopped."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How this process joins a run of several. ``coordinator_address`` (host:port), ``num_processes`` and
@@ -102,3 +106,14 @@ def sum_over_processes(x: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x)).sum(0, dtype=np.float32)
+
+
+def describe_failure(error: Exception, last_checkpoint: str) -> ProcessFailure:
+    """The error to report when a computation fails on this process of a distributed run: which process,
+    JAX's message, the likely cause and how to resume (``last_checkpoint`` says where from)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return ProcessFailure(
+        f"process {jax.process_index()} of {jax.process_count()}: a computation failed ({type(error).__name__}: "
+        f"{first}); in a run of several processes this is most often another process having stopped (see its "
+        f"log). The last checkpoint is {last_checkpoint}; start every process again with the same command to "
+        "resume from it")

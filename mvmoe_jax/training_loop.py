@@ -299,6 +299,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
         with precision.matmul_precision(config.get("matmul_precision", precision.TRAIN_DEFAULT)):
             return _run(config, run, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
                         stop_after_epoch)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        last = mngr.latest_step()
+        raise distributed.describe_failure(e, f"epoch {last} in {os.path.join(workdir, CHECKPOINT_DIR)}"
+                                           if last is not None else "none (no epoch had completed)") from e
     finally:
         mngr.wait_until_finished()
         mngr.close()
