@@ -15,6 +15,7 @@ several processes (most often another process stopped), 130 interrupted.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -61,8 +62,11 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except distributed.ProcessFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Without the lost process, JAX's exit-time shutdown of the distributed runtime would abort (or wait
+        # for it): end here, the checkpoints already closed.
+        os._exit(3)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)

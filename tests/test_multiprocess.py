@@ -4,6 +4,7 @@ with two CPU devices; checkpoints carried between the two launches; a process ki
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -46,14 +47,18 @@ def _command(workdir, *flags) -> list[str]:
             *flags]
 
 
+_LAUNCHES = itertools.count()
+
+
 class Launch:
     """``train.py`` as ``num`` processes of one CPU device each; their output goes to files beside the
-    workdir (``out(p)``, ``err(p)``)."""
+    workdir, apart for each launch (``out(p)``, ``err(p)``)."""
 
     def __init__(self, workdir, *flags, num: int = 2):
         self.workdir = workdir
         port = _free_port()
-        self.logs = [(f"{workdir}.{p}.out", f"{workdir}.{p}.err") for p in range(num)]
+        n = next(_LAUNCHES)
+        self.logs = [(f"{workdir}.{n}.{p}.out", f"{workdir}.{n}.{p}.err") for p in range(num)]
         common = ["--config.distributed=True", f"--config.coordinator_address=127.0.0.1:{port}",
                   f"--config.num_processes={num}", f"--config.heartbeat_timeout_seconds={HEARTBEAT}",
                   "--config.execution.cpu_devices=1", *flags]
@@ -191,10 +196,14 @@ def test_when_a_process_dies_the_other_stops_and_a_restart_resumes_exactly(tmp_p
     code = run.procs[survivor].wait(timeout=HEARTBEAT + 120)
     waited = time.monotonic() - killed_at
     run.kill()
-    assert code != 0
     err = run.err(survivor)
-    assert ("in a run of several processes this is most often another process having stopped" in err
-            or "another task died" in err), err[-3000:]
+    # Stopped in an exchange with the lost process: train.py's error; elsewhere: jax.distributed's
+    # heartbeat check ends the process (SIGABRT) with its own message.
+    if code == 3:
+        assert f"error: process {survivor} of 2: a computation failed" in err
+        assert "most often another process having stopped" in err and "The last checkpoint is epoch 1" in err
+    else:
+        assert code == -signal.SIGABRT and "This most likely indicates that another task died" in err, err[-3000:]
     print(f"process {survivor} stopped {waited:.1f} s after process {victim} was killed (exit {code})")
 
     again = Launch(tmp_path / "run", "--config.epochs=3")
