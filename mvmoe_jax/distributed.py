@@ -53,8 +53,8 @@ class Launch:
 
 
 def launch_from_config(config) -> Launch | None:
-    """The ``Launch`` of a run config (None unless ``config.distributed``); a ValueError for launch fields
-    set on a run that is not distributed, or set inconsistently."""
+    """The ``Launch`` of a run config, or of any mapping with its fields (None unless ``distributed``); a
+    ValueError for launch fields set on a run that is not distributed, or set inconsistently."""
     fields = {"coordinator_address": config.get("coordinator_address") or None,
               "num_processes": config.get("num_processes"), "process_id": config.get("process_id")}
     if not config.get("distributed", False):
@@ -106,6 +106,17 @@ def sum_over_processes(x: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x)).sum(0, dtype=np.float32)
+
+
+def process_batches(num_batches: int, process: int, num_processes: int) -> range:
+    """The batches (indices) that ``process`` of ``num_processes`` evaluates: every num_processes-th, so
+    that each batch is evaluated by exactly one process."""
+    return range(process, num_batches, num_processes)
+
+
+def my_batches(num_batches: int) -> range:
+    """``process_batches`` of this process."""
+    return process_batches(num_batches, jax.process_index(), jax.process_count())
 
 
 def describe_failure(error: Exception, last_checkpoint: str) -> ProcessFailure:

@@ -56,7 +56,7 @@ class Validator:
 
     def __call__(self, params) -> dict[str, dict]:
         """{variant: {"obj": mean objective, "gap": mean gap % or None}}. With several processes each one
-        evaluates its share of the batches (``process_batches``) and every process returns the whole
+        evaluates its share of the batches (``distributed.process_batches``) and every process returns the whole
         result, the same as one process's."""
         params = jax.device_get(params) if jax.process_count() > 1 else params
         out = {}
@@ -70,7 +70,7 @@ class Validator:
         """float64 (K,): each instance's objective, this process's batches evaluated here, the others'
         gathered."""
         objs = np.zeros(inst.locs.shape[0], np.float32)
-        mine = process_batches(-(-inst.locs.shape[0] // self.batch_size), jax.process_index(), jax.process_count())
+        mine = distributed.my_batches(-(-inst.locs.shape[0] // self.batch_size))
         for i, (lo, hi, batch) in enumerate(evaluation.padded_batches(inst, self.batch_size)):
             if i not in mine:
                 continue
@@ -81,11 +81,6 @@ class Validator:
             res = jax.device_get(res)
             objs[lo:hi] = (res.obj if self.augment else res.obj_no_aug)[: hi - lo]
         return distributed.sum_over_processes(objs).astype(np.float64)
-
-
-def process_batches(num_batches: int, process: int, num_processes: int) -> range:
-    """The batches (indices) that ``process`` of ``num_processes`` evaluates: every num_processes-th."""
-    return range(process, num_batches, num_processes)
 
 
 # ----------------------------------------------------------------------------------------------------

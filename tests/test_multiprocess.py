@@ -167,6 +167,50 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
         assert _records(tmp_path / workdir) == _records(tmp_path / "straight")
 
 
+EVALUATION_SCRIPT = r"""
+import json, sys, jax, numpy as np
+from mvmoe_jax import distributed, evaluation, instances, training
+from mvmoe_jax.nn.policy import PolicyConfig
+if len(sys.argv) > 1:
+    port, process = sys.argv[1:]
+    distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, int(process), heartbeat_timeout_seconds=10))
+cfg = PolicyConfig(model="mvmoe", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
+                   expert_loc=("Enc0", "Dec"))
+params = training.init_params(cfg, jax.random.key(0))
+inst = instances.generate(jax.random.key(1), 10, 20, ["CVRP", "VRPTW", "OVRPB"])
+res = evaluation.evaluate_dataset(cfg, params, inst, batch_size=4, progress=False)
+print("RESULT" + json.dumps({"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(), "routes": res.routes,
+                             "processes": jax.process_count()}))
+"""
+
+
+def _evaluation(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", EVALUATION_SCRIPT, *map(str, args)], cwd=REPO_ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow       # three processes compiling the evaluation, ~30 s on 2 idle cores
+def test_evaluation_over_two_processes_equals_one_process():
+    """10 instances in 3 batches of 4 (the last padded): process 0 decodes batches 0 and 2, process 1
+    batch 1; both return every instance's objective and route, exactly one process's."""
+    port = _free_port()
+    procs = [_evaluation(port, 0), _evaluation(port, 1), _evaluation()]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=PROCESS_TIMEOUT)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.split("RESULT", 1)[1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    two_0, two_1, one = outs
+    assert [two_0["processes"], two_1["processes"], one["processes"]] == [2, 2, 1]
+    for got in (two_0, two_1):
+        assert got["obj"] == one["obj"] and got["obj_no_aug"] == one["obj_no_aug"] and got["routes"] == one["routes"]
+    assert len(one["obj"]) == 10 and all(len(r) > 20 for r in one["routes"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # A process that dies
 # ----------------------------------------------------------------------------------------------------
@@ -245,18 +289,21 @@ def test_launch_settings_need_distributed_and_none_means_detected():
     assert distributed.launch_from_config(config) == distributed.Launch(heartbeat_timeout_seconds=100)
 
 
-def test_train_py_refuses_a_partial_launch():
-    proc = subprocess.run(_command("unused", "--config.distributed=True", "--config.process_id=0"), cwd=REPO_ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=PROCESS_TIMEOUT)
+@pytest.mark.parametrize("command", [
+    _command("unused", "--config.distributed=True", "--config.process_id=0"),
+    [sys.executable, "evaluate.py", "--checkpoint=unused", "--distributed", "--process_id=0"]],
+    ids=["train.py", "evaluate.py"])
+def test_the_entry_points_refuse_a_partial_launch(command):
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=PROCESS_TIMEOUT)
     assert proc.returncode == 2
-    assert "process_id given without coordinator_address, num_processes" in proc.stderr
+    assert "error: distributed launch: process_id given without coordinator_address, num_processes" in proc.stderr
 
 
 def test_validation_batches_are_shared_out_whole():
     """Every batch is evaluated by exactly one process."""
     for num_batches in (1, 2, 5, 8):
         for processes in (1, 2, 3):
-            shares = [list(training_validation.process_batches(num_batches, p, processes)) for p in range(processes)]
+            shares = [list(distributed.process_batches(num_batches, p, processes)) for p in range(processes)]
             assert sorted(sum(shares, [])) == list(range(num_batches))
 
 
