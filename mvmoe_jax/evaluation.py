@@ -69,7 +69,9 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
                      chunk_size: int | None = None, plan: ExecutionPlan | None = None) -> DatasetResult:
     """Greedy evaluation of a batched Instance (K instances) in jitted batches of ``batch_size``
     (each decoded ``chunk_size`` augmented instances at a time, see ``rollout.greedy_evaluate``), run as the
-    execution ``plan`` says (None: the default backend's preset)."""
+    execution ``plan`` says (None: the default backend's preset). In a run of several processes
+    (``jax.distributed``) each decodes every num_processes-th batch on its own devices and all return the
+    whole result."""
     checker.validate_instances(inst, desc)
     k = inst.locs.shape[0]
     n = inst.locs.shape[1] - 1

@@ -10,6 +10,11 @@ A run is described by one ml_collections config (``configs/*.py``). Its workdir 
 same command again resumes from the latest checkpoint and continues exactly as an uninterrupted run:
 every optimiser step draws its data and sampling keys from ``fold_in(run key, step)``, and the parameters,
 optimiser state (with its step counts, hence the learning-rate schedule), epoch and run key are restored.
+
+A run may span several processes (``config.distributed``; ``mvmoe_jax.distributed``): the mesh then holds
+every process's devices, each process generates its devices' rows of every batch and validates its share of
+the batches, all save the checkpoints together (orbax coordinates them), and process 0 alone prints and
+writes the metrics and plot.
 """
 
 from __future__ import annotations
@@ -258,11 +263,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     run after that epoch (its checkpoint written), as if it had been stopped there; running again with a
     larger value (or 0) continues it.
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
-    last good checkpoint stays the latest).
+    last good checkpoint stays the latest), distributed.ProcessFailure when a computation fails in a run of
+    several processes (most often: another process stopped).
     """
     run = check_config(config)
     stop_after_epoch = int(config.get("stop_after_epoch", 0)) or None
-    distributed.initialize(distributed.launch_from_config(config))   # when prepare_process has not
+    distributed.initialize(distributed.launch_from_config(config))   # a no-op after prepare_process
     mesh = training.make_mesh(mesh_devices)
     n_dev = mesh.devices.size
     for size in {config.batch_size, run.last_batch}:
