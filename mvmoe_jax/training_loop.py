@@ -283,6 +283,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     k_init, run_key = jax.random.split(jax.random.key(config.seed))
     template = fns.init_state(training.init_params(cfg, k_init))
     mngr = checkpoint_manager(workdir, config.keep_checkpoints)
+    lost_processes = False
     try:
         if mngr.latest_step() is not None:
             state, meta = restore_latest_readable(mngr, template, cfg, workdir)
@@ -308,12 +309,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
+        # orbax cannot finish a save without the other processes: the manager is left as it is (a save
+        # not committed is ignored when the run starts again).
+        lost_processes = True
         last = mngr.latest_step()
         raise distributed.describe_failure(e, f"epoch {last} in {os.path.join(workdir, CHECKPOINT_DIR)}"
                                            if last is not None else "none (no epoch had completed)") from e
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
+        if not lost_processes:
+            mngr.wait_until_finished()
+            mngr.close()
 
 
 def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
