@@ -19,7 +19,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mvmoe_jax import cli, execution, precision
+from mvmoe_jax import cli, distributed, execution, precision
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Model configuration file; the checkpoint must fit it. Default: the configuration stored "
@@ -51,6 +51,12 @@ flags.DEFINE_string("execution_overrides", "", "Plan fields to override, as FIEL
                     "moe_dispatch=dense,cpu_devices=1; cpu_devices 0: one JAX device per core).")
 flags.DEFINE_integer("chunk_size", None, "Augmented instances decoded at once (default: ~100 trajectories "
                      "on CPU, the whole batch on accelerators).")
+flags.DEFINE_bool("distributed", False, "Join an evaluation over several processes (jax.distributed): each "
+                  "decodes its share of the batches, process 0 prints and writes the results.")
+flags.DEFINE_string("coordinator_address", None, "Process 0's host:port (with --num_processes and --process_id; "
+                    "none of the three: detected from SLURM, Open MPI or a cloud TPU).")
+flags.DEFINE_integer("num_processes", None, "Processes of a --distributed evaluation.")
+flags.DEFINE_integer("process_id", None, "This process's index (0 .. num_processes - 1).")
 FLAGS = flags.FLAGS
 
 
@@ -60,12 +66,17 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)     # orbax logs every restore at INFO
     try:
         # Before JAX starts: huge pages, the CPU's cores as devices (any count: chunks are dealt out).
+        launch = distributed.launch_from_config({k: FLAGS[k].value for k in (
+            "distributed", "coordinator_address", "num_processes", "process_id")})
         execution.prepare_process(FLAGS.execution, execution.parse_overrides(FLAGS.execution_overrides))
+        distributed.initialize(launch)
+        if not distributed.is_main():
+            sys.stdout = open(os.devnull, "w")      # the other processes compute their shares silently
         results = cli.run_evaluation(_CONFIG.value, FLAGS)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if FLAGS.output:
+    if FLAGS.output and distributed.is_main():
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
         with open(FLAGS.output, "w") as f:
             json.dump(results, f, indent=1)

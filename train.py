@@ -9,11 +9,13 @@
 
 Every config field can be overridden as ``--config.field=value``. Running the same command again resumes
 from the workdir's latest checkpoint. Exit codes: 0 done, 1 the run diverged (non-finite loss; the last
-good checkpoint is kept), 2 bad input (config, override, checkpoint), 130 interrupted.
+good checkpoint is kept), 2 bad input (config, override, checkpoint), 3 a computation failed in a run of
+several processes (most often another process stopped), 130 interrupted.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -40,7 +42,7 @@ def main(argv):
         print(f"error: unexpected arguments {argv[1:]} (options are --config=FILE and --config.FIELD=VALUE)",
               file=sys.stderr)
         sys.exit(2)
-    from mvmoe_jax import training, training_loop
+    from mvmoe_jax import distributed, training, training_loop
 
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)     # orbax logs every save at INFO
@@ -59,6 +61,12 @@ def main(argv):
     except training.NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except distributed.ProcessFailure as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Without the lost process, JAX's exit-time shutdown of the distributed runtime would abort (or wait
+        # for it): end here, the checkpoints already closed.
+        os._exit(3)
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume from the last checkpoint", file=sys.stderr)
         sys.exit(130)

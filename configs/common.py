@@ -85,7 +85,15 @@ def base_config() -> ml_collections.ConfigDict:
     # precision on a GPU"); evaluation runs in full float32 (the original implementation's numbers).
     # float32 | tensorfloat32 | bfloat16 | default (JAX's). No effect on a CPU.
     c.matmul_precision = "tensorfloat32"
-    c.distributed = False             # call jax.distributed.initialize() (multi-host runs)
+    # Several processes (jax.distributed; README, "Several processes"): distributed=True joins a run whose
+    # coordinator_address (process 0's host:port), num_processes and process_id are given together, or
+    # left unset to be detected (SLURM, Open MPI, cloud TPU). A process silent for heartbeat_timeout_seconds
+    # counts as dead and the others stop.
+    c.distributed = False
+    c.coordinator_address = ""
+    c.num_processes = config_dict.placeholder(int)
+    c.process_id = config_dict.placeholder(int)
+    c.heartbeat_timeout_seconds = 100
     c.progress_bar = True
     # Evaluation
     c.eval_batch_size = 64

@@ -17,11 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checker
+from mvmoe_jax import checker, distributed
 from mvmoe_jax.instances import Instance, take
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.rollout import compile_greedy_evaluate, replicated
+
+
+# The fields of a batch's GreedyResult that hold one row per instance.
+PER_INSTANCE = ("obj", "obj_no_aug", "best_actions")
 
 
 @dataclasses.dataclass
@@ -65,7 +69,9 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
                      chunk_size: int | None = None, plan: ExecutionPlan | None = None) -> DatasetResult:
     """Greedy evaluation of a batched Instance (K instances) in jitted batches of ``batch_size``
     (each decoded ``chunk_size`` augmented instances at a time, see ``rollout.greedy_evaluate``), run as the
-    execution ``plan`` says (None: the default backend's preset)."""
+    execution ``plan`` says (None: the default backend's preset). In a run of several processes
+    (``jax.distributed``) each decodes every num_processes-th batch on its own devices and all return the
+    whole result."""
     checker.validate_instances(inst, desc)
     k = inst.locs.shape[0]
     n = inst.locs.shape[1] - 1
@@ -80,22 +86,26 @@ def evaluate_dataset(cfg: PolicyConfig, params, inst: Instance, *, pomo_size: in
                                        chunk_size=chunk_size, plan=plan)
     compile_s = time.perf_counter() - t0
 
-    obj, obj_no_aug, actions = [], [], []
+    # With several processes each one decodes its share of the batches; all get every result.
+    mine = distributed.my_batches(-(-k // bs))
+    spec = compiled.output_spec()
+    out = {name: np.zeros((k,) + getattr(spec, name).shape[1:], np.float32) for name in PER_INSTANCE}
     t0 = time.perf_counter()
     batches = tqdm(padded_batches(inst, bs), total=-(-k // bs), desc=desc, disable=not progress, leave=False)
     for i, (lo, hi, batch) in enumerate(batches):
+        if i not in mine:
+            continue
         res = compiled(params, batch, jax.random.fold_in(rng, i))
         res = jax.device_get(res)
         if not res.all_finished[: hi - lo].all():
             raise RuntimeError(f"{desc}: some rollouts did not finish within 2n steps (instances {lo}..{hi})")
-        obj.append(res.obj[: hi - lo])
-        obj_no_aug.append(res.obj_no_aug[: hi - lo])
-        actions.append(res.best_actions[: hi - lo])
+        for name in PER_INSTANCE:
+            out[name][lo:hi] = getattr(res, name)[: hi - lo]
+    out = {name: distributed.sum_over_processes(x) for name, x in out.items()}     # actions: exact in float32
     seconds = time.perf_counter() - t0
 
-    routes = [checker.actions_to_route(a) for a in np.concatenate(actions)]
-    result = DatasetResult(obj=np.concatenate(obj).astype(np.float64),
-                           obj_no_aug=np.concatenate(obj_no_aug).astype(np.float64),
+    routes = [checker.actions_to_route(a) for a in out["best_actions"].astype(np.int64)]
+    result = DatasetResult(obj=out["obj"].astype(np.float64), obj_no_aug=out["obj_no_aug"].astype(np.float64),
                            routes=routes, seconds=seconds, compile_seconds=compile_s)
     if check_routes:
         checker.verify_routes(inst, result.routes, result.obj, source=desc)

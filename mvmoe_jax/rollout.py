@@ -564,6 +564,10 @@ class CompiledGreedyEvaluate:
     def memory_bytes(self) -> int:
         return program_memory_bytes(self.compiled)
 
+    def output_spec(self) -> GreedyResult:
+        """Shapes and dtypes of a call's result (``jax.ShapeDtypeStruct`` leaves)."""
+        return self.compiled.out_info
+
 
 def replicated(tree, num_devices: int | None = None):
     """``tree`` replicated over the first ``num_devices`` local devices (None: all), as ``greedy_evaluate``

@@ -100,10 +100,18 @@ def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
                             variant_flags: tuple[tuple[bool, ...], ...], mixed: bool) -> Instance:
     """Fresh instances: one variant drawn uniformly for the whole batch (the reference), or per instance
     when ``mixed``. jit-compatible with everything but ``key`` static."""
+    return generate_training_rows(key, batch, 0, batch, num_customers, variant_flags, mixed)
+
+
+def generate_training_rows(key: jax.Array, batch: int, lo: int, hi: int, num_customers: int,
+                           variant_flags: tuple[tuple[bool, ...], ...], mixed: bool) -> Instance:
+    """Rows ``lo..hi-1`` of ``generate_training_batch(key, batch, ...)``, generated alone: each instance
+    is drawn from its own key, so a process of a distributed run draws just its share of the batch.
+    jit-compatible with everything but ``key`` static."""
     table = jnp.asarray(np.asarray(variant_flags, bool))
-    flags = table[batch_variants(key, table.shape[0], batch, mixed)]
+    flags = table[batch_variants(key, table.shape[0], batch, mixed)[lo:hi]]
     k_inst = jax.random.split(key)[1]
-    return jax.vmap(generate_instance, in_axes=(0, 0, None))(jax.random.split(k_inst, batch), flags,
+    return jax.vmap(generate_instance, in_axes=(0, 0, None))(jax.random.split(k_inst, batch)[lo:hi], flags,
                                                              num_customers)
 
 
@@ -293,9 +301,13 @@ class StepFunctions:
         flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in variants)
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P(DATA_AXIS))
-        self._batch = jax.jit(partial(generate_training_batch, num_customers=num_customers,
-                                      variant_flags=flags, mixed=mixed),
-                              static_argnums=1, out_shardings=self.batch_sharding)
+        # This process's rows of a batch, generated on its own devices (see ``batch``).
+        self._rows_position, self._rows_devices = process_row_devices(mesh)
+        self._rows = jax.jit(partial(generate_training_rows, num_customers=num_customers, variant_flags=flags,
+                                     mixed=mixed),
+                             static_argnums=(1, 2, 3),
+                             out_shardings=NamedSharding(Mesh(np.asarray(self._rows_devices), (DATA_AXIS,)),
+                                                         P(DATA_AXIS)))
         self.settings = settings
         # With and without the decoder record (records_decoder: the batch's size decides).
         self._samples = {record: jax.jit(partial(sample_trajectories, self.policy, pomo_size=settings.pomo_size,
@@ -338,8 +350,17 @@ class StepFunctions:
         return jax.device_put(tree, self.replicated)
 
     def batch(self, key: jax.Array, size: int) -> Instance:
+        """``generate_training_batch(key, size)`` sharded over the mesh. Each process generates only the
+        rows its devices hold (with one process: all of them), and the global batch is assembled from
+        them without moving any data."""
         self.check_batch_size(size)
-        return self._batch(key, size)
+        share = size // self.num_devices
+        start = self._rows_position * share
+        rows = self._rows(key, size, start, start + share * len(self._rows_devices))
+        if len(self._rows_devices) == self.num_devices:
+            return rows
+        return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+            (size,) + x.shape[1:], self.batch_sharding, [s.data for s in x.addressable_shards]), rows)
 
     def _sample(self, params, inst: Instance, rng: jax.Array) -> RolloutOutput:
         """The jitted sampler, with the decoder record when the one-program step would keep it (so that
@@ -423,6 +444,20 @@ class StepFunctions:
             return self.sample_and_update(state, inst, k_roll)
         traj = self.sample(state.params, inst, k_roll)
         return self.update(state, inst, traj, k_roll)
+
+
+def process_row_devices(mesh: Mesh) -> tuple[int, list]:
+    """(position of the first, list) of this process's devices on the one-axis ``mesh``, in mesh order:
+    they hold one contiguous block of a batch sharded over it, which the process generates itself. A
+    ValueError for a mesh that interleaves the processes' devices."""
+    order = list(mesh.devices.flat)
+    positions = [i for i, d in enumerate(order) if d.process_index == jax.process_index()]
+    if not positions:
+        raise ValueError(f"the mesh has none of process {jax.process_index()}'s devices")
+    if positions != list(range(positions[0], positions[0] + len(positions))):
+        raise ValueError("each process's devices must be consecutive on the data mesh (as in jax.devices()), got "
+                         f"process {jax.process_index()} at positions {positions}")
+    return positions[0], [order[i] for i in positions]
 
 
 def step_key(base_key: jax.Array, step: int) -> jax.Array:

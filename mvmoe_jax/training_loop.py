@@ -10,6 +10,11 @@ A run is described by one ml_collections config (``configs/*.py``). Its workdir 
 same command again resumes from the latest checkpoint and continues exactly as an uninterrupted run:
 every optimiser step draws its data and sampling keys from ``fold_in(run key, step)``, and the parameters,
 optimiser state (with its step counts, hence the learning-rate schedule), epoch and run key are restored.
+
+A run may span several processes (``config.distributed``; ``mvmoe_jax.distributed``): the mesh then holds
+every process's devices, each process generates its devices' rows of every batch and validates its share of
+the batches, all save the checkpoints together (orbax coordinates them), and process 0 alone prints and
+writes the metrics and plot.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from mvmoe_jax import checkpoints, execution, precision, problems, shipped, training
+from mvmoe_jax import checkpoints, distributed, execution, precision, problems, shipped, training
 from mvmoe_jax.cli import policy_config
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
@@ -87,6 +92,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
              f"model 'pomo' is the single-task baseline: give one variant in train_problems (got "
              f"{','.join(variants)}), or use pomo_mtl / mvmoe / mvmoe_light for multi-task training")
     execution_settings(config)          # a bad preset or field value fails here, before JAX starts
+    distributed.launch_from_config(config)
     for name in ("matmul_precision", "eval_matmul_precision"):
         precision.check(config.get(name, "default"), what=name)
     _require(config.replay_bucket >= 0, f"replay_bucket must be >= 0 (0: auto), got {config.replay_bucket}")
@@ -118,10 +124,16 @@ def execution_plan(config: ml_collections.ConfigDict) -> ExecutionPlan:
 
 def prepare_process(config: ml_collections.ConfigDict) -> int:
     """Before any JAX computation: the run plan's huge pages and CPU devices (``execution.prepare_process``;
-    ``cpu_devices`` 0: one per usable core, reduced to the largest count that splits every batch of the run
-    evenly). Returns the device count."""
-    return execution.prepare_process(*execution_settings(config),
-                                     lambda: (config.batch_size, check_config(config).last_batch))
+    ``cpu_devices`` 0: one per usable core, reduced to the largest count that splits every process's share
+    of every batch of the run evenly), then joining the other processes of a distributed run. Returns
+    this process's CPU device count."""
+    def batch_shares():
+        processes = config.get("num_processes") or 1
+        return tuple(size // processes for size in (config.batch_size, check_config(config).last_batch))
+
+    count = execution.prepare_process(*execution_settings(config), batch_shares)
+    distributed.initialize(distributed.launch_from_config(config))
+    return count
 
 
 def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh) -> StepFunctions:
@@ -228,9 +240,13 @@ def _say(msg: str) -> None:
 
 def _validation_sharding(config, fns: StepFunctions):
     """Shard validation batches over the mesh when they split evenly; with several processes each one
-    validates on its own devices (the results must be addressable to be read back)."""
-    if jax.process_count() == 1 and config.validation_batch_size % fns.num_devices == 0:
-        return fns.batch_sharding
+    evaluates its own batches (``Validator``) over its own devices."""
+    if jax.process_count() == 1:
+        mesh = fns.mesh
+    else:
+        mesh = training.make_mesh([d for d in fns.mesh.devices.flat if d.process_index == jax.process_index()])
+    if config.validation_batch_size % mesh.devices.size == 0:
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(training.DATA_AXIS))
     return None
 
 
@@ -246,12 +262,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     run after that epoch (its checkpoint written), as if it had been stopped there; running again with a
     larger value (or 0) continues it.
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
-    last good checkpoint stays the latest).
+    last good checkpoint stays the latest), distributed.ProcessFailure when a computation fails in a run of
+    several processes (most often: another process stopped).
     """
     run = check_config(config)
     stop_after_epoch = int(config.get("stop_after_epoch", 0)) or None
-    if config.distributed:
-        jax.distributed.initialize()
+    distributed.initialize(distributed.launch_from_config(config))   # a no-op after prepare_process
     mesh = training.make_mesh(mesh_devices)
     n_dev = mesh.devices.size
     for size in {config.batch_size, run.last_batch}:
@@ -266,13 +282,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     k_init, run_key = jax.random.split(jax.random.key(config.seed))
     template = fns.init_state(training.init_params(cfg, k_init))
     mngr = checkpoint_manager(workdir, config.keep_checkpoints)
+    lost_processes = False
     try:
         if mngr.latest_step() is not None:
             state, meta = restore_latest_readable(mngr, template, cfg, workdir)
             check_same_run(meta.get("config", {}), config, workdir)
             start_epoch = meta["epoch"]
             run_key = jax.random.wrap_key_data(np.asarray(meta["rng_key_data"], np.uint32))
-            truncate_metrics(metrics_path, start_epoch)
+            if distributed.is_main():
+                truncate_metrics(metrics_path, start_epoch)
             _say(f"resuming {workdir} from epoch {start_epoch} (step {meta['step']})")
         else:
             params = template.params
@@ -281,14 +299,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
                 _say(f"fine-tuning from {config.finetune_from} with a fresh optimiser")
             state = fns.init_state(params)
             start_epoch = 0
-            truncate_metrics(metrics_path, -1)
+            if distributed.is_main():
+                truncate_metrics(metrics_path, -1)
         state = fns.replicate(state)
         with precision.matmul_precision(config.get("matmul_precision", precision.TRAIN_DEFAULT)):
             return _run(config, run, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
                         stop_after_epoch)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        # orbax cannot finish a save without the other processes: the manager is left as it is (a save
+        # not committed is ignored when the run starts again).
+        lost_processes = True
+        last = mngr.latest_step()
+        raise distributed.describe_failure(e, f"epoch {last} in {os.path.join(workdir, CHECKPOINT_DIR)}"
+                                           if last is not None else "none (no epoch had completed)") from e
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
+        if not lost_processes:
+            mngr.wait_until_finished()
+            mngr.close()
 
 
 def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
@@ -308,7 +337,7 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
          f"{config.batch_size}; workdir {workdir}")
     meta_base = {"seed": config.seed, "rng_key_data": np.asarray(jax.random.key_data(run_key)).tolist(),
                  "steps_per_epoch": run.steps_per_epoch, "config": config.to_dict()}
-    is_main = jax.process_index() == 0
+    is_main = distributed.is_main()
     record: dict = {}
     time_limit = float(config.get("time_limit_seconds", 0))
     wall0 = time.perf_counter()
@@ -374,7 +403,8 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
                 plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
         # With a wall-clock budget the run ends when another epoch like this one would overrun it.
         now = time.perf_counter()
-        out_of_time = bool(time_limit) and (now - wall0) + (now - t0) > time_limit
+        # Process 0's clock decides for all: the processes save and stop together.
+        out_of_time = bool(time_limit) and distributed.same_on_all((now - wall0) + (now - t0) > time_limit)
         last = epoch == config.epochs or epoch == stop_after_epoch or out_of_time
         if epoch % config.checkpoint_every_epochs == 0 or last:
             save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))

@@ -15,7 +15,7 @@ import os
 import jax
 import numpy as np
 
-from mvmoe_jax import evaluation, io, problems
+from mvmoe_jax import distributed, evaluation, io, problems
 from mvmoe_jax.instances import Instance, generate
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.execution import ExecutionPlan
@@ -55,7 +55,9 @@ class Validator:
                          for name, (inst, ref, src) in self.sets.items())
 
     def __call__(self, params) -> dict[str, dict]:
-        """{variant: {"obj": mean objective, "gap": mean gap % or None}}."""
+        """{variant: {"obj": mean objective, "gap": mean gap % or None}}. With several processes each one
+        evaluates its share of the batches (``distributed.process_batches``) and every process returns the whole
+        result, the same as one process's."""
         params = jax.device_get(params) if jax.process_count() > 1 else params
         out = {}
         for name, (inst, ref, _) in self.sets.items():
@@ -65,15 +67,20 @@ class Validator:
         return out
 
     def _objectives(self, params, inst: Instance) -> np.ndarray:
-        objs = []
+        """float64 (K,): each instance's objective, this process's batches evaluated here, the others'
+        gathered."""
+        objs = np.zeros(inst.locs.shape[0], np.float32)
+        mine = distributed.my_batches(-(-inst.locs.shape[0] // self.batch_size))
         for i, (lo, hi, batch) in enumerate(evaluation.padded_batches(inst, self.batch_size)):
+            if i not in mine:
+                continue
             if self.sharding is not None:
                 batch = jax.device_put(batch, self.sharding)
             res = greedy_evaluate(self.cfg, params, batch, jax.random.fold_in(jax.random.key(0), i),
                                   pomo_size=self.pomo_size, augment=self.augment, plan=self.plan)
             res = jax.device_get(res)
-            objs.append((res.obj if self.augment else res.obj_no_aug)[: hi - lo])
-        return np.concatenate(objs).astype(np.float64)
+            objs[lo:hi] = (res.obj if self.augment else res.obj_no_aug)[: hi - lo]
+        return distributed.sum_over_processes(objs).astype(np.float64)
 
 
 # ----------------------------------------------------------------------------------------------------
