@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 
 from mvmoe_jax import training
+from mvmoe_jax.io.npz_sizes import check_npz_sizes
 from mvmoe_jax.training_loop import (METRICS_FILE, check_config, checkpoint_manager, restore_checkpoint,
                                      save_checkpoint)
 from mvmoe_jax.training_validation import append_metrics, read_metrics
@@ -104,7 +105,9 @@ def import_state(in_dir: str, workdir: str) -> int:
     values = []
     for r, (name, like) in zip(records, want):
         if r["file"] not in arrays:
-            with np.load(os.path.join(in_dir, stored["files"][r["file"]]), allow_pickle=False) as f:
+            file = os.path.join(in_dir, stored["files"][r["file"]])
+            check_npz_sizes(file)
+            with np.load(file, allow_pickle=False) as f:
                 arrays[r["file"]] = {k: f[k] for k in f.files}
         value = arrays[r["file"]][r["key"]]
         if value.shape != like.shape or value.dtype != like.dtype:

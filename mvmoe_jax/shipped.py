@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from mvmoe_jax.io.npz_sizes import check_npz_sizes
 from mvmoe_jax.nn.policy import PolicyConfig
 
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "pretrained"
@@ -134,7 +135,8 @@ def write_params(path: str | os.PathLike, params: dict) -> int:
 
 def read_params(path: str | os.PathLike) -> dict:
     """``{"params": ...}`` from a file ``write_params`` wrote (no pickles: loading runs no code). A
-    ValueError for an array that is not float32."""
+    ValueError for an array that is not float32, or that claims more data than the file holds."""
+    check_npz_sizes(path)
     with np.load(path, allow_pickle=False) as f:
         flat = {k: f[k] for k in f.files}
     bad = [k for k, v in flat.items() if v.dtype != np.float32]

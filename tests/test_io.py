@@ -199,6 +199,31 @@ def test_npz_refuses_pickled_objects_and_bad_versions(tmp_path):
         load_npz(tmp_path / "extra.npz")
 
 
+def _claims_huge_shape(path, name="locs"):
+    """An .npz whose one member's header states a (10**11, 3, 2) float32 array (2.4 TB) but holds 16 bytes."""
+    import io as bytes_io
+    import zipfile
+
+    member = bytes_io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": (10**11, 3, 2)})
+    member.write(np.zeros(4, np.float32).tobytes())
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}.npy", member.getvalue())
+    return path
+
+
+def test_npz_claiming_a_huge_array_is_refused_before_numpy_allocates_it(tmp_path):
+    """Instances, shipped parameters and carried training state alike: the member and its stated shape named."""
+    from mvmoe_jax import shipped
+
+    path = _claims_huge_shape(tmp_path / "huge.npz")
+    with pytest.raises(ValueError, match=r"huge.npz: member locs.npy states shape \(100000000000, 3, 2\) of "
+                                         r"float32 \(2400000000000 bytes\) but holds \d+ bytes"):
+        load_npz(path)
+    with pytest.raises(ValueError, match="member locs.npy states shape"):
+        shipped.read_params(path)
+
+
 def test_npz_garbage_missing_and_unbatched(tmp_path):
     (tmp_path / "junk.npz").write_bytes(b"definitely not a zip archive")
     with pytest.raises(ValueError, match="junk.npz"):

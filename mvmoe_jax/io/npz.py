@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mvmoe_jax.instances import Instance
+from mvmoe_jax.io.npz_sizes import check_npz_sizes
 from mvmoe_jax.io.vrplib_io import require_file
 
 FORMAT_VERSION = 1
@@ -103,11 +104,12 @@ def save_npz(path: str | os.PathLike, instances: Instance, *, compressed: bool =
 def load_npz(path: str | os.PathLike) -> Instance:
     """Read a file written by ``save_npz`` -> batched Instance (jax arrays).
 
-    Raises ValueError naming the file and the problem: not an npz archive, pickled (object) arrays, a
-    missing or unsupported format version, unknown keys, and any missing field or field whose dtype or
+    Raises ValueError naming the file and the problem: not an npz archive, pickled (object) arrays, an
+    array that claims more data than the file holds, a missing or unsupported format version, unknown keys, and any missing field or field whose dtype or
     shape does not match the others.
     """
     path = require_file(path)
+    check_npz_sizes(path)
     try:
         loaded = np.load(path, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
