@@ -58,7 +58,7 @@ def main(argv):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except training.NonFiniteError as e:
+    except (training.NonFiniteError, training_loop.CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except distributed.ProcessFailure as e:

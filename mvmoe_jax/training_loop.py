@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 
 import jax
@@ -164,6 +165,51 @@ def save_checkpoint(mngr: ocp.CheckpointManager, epoch: int, state: TrainState, 
         opt_state=ocp.args.StandardSave(state.opt_state), train_meta=ocp.args.JsonSave(meta)))
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint (or the metrics beside it) could not be written: a full disk, a lost filesystem. The
+    previous checkpoint stays usable."""
+
+
+# What orbax's writes raise when the filesystem refuses them, directly or from its writer threads.
+WRITE_FAILURES = (OSError, ValueError, RuntimeError)
+
+
+def checkpoint_write_error(mngr: ocp.CheckpointManager, workdir: str, error: BaseException,
+                           what: str = "a checkpoint") -> CheckpointWriteError:
+    """A CheckpointWriteError naming what could not be written (``what``) and where, the cause (the first operating-system error in ``error``'s
+    chain, e.g. "No space left on device", else ``error`` itself) and the last complete checkpoint."""
+    cause, seen = error, set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    # tensorstore (orbax's array writer) reports the operating system's error code inside its message.
+    code = re.search(r"os_error_code='(\d+)'", str(error))
+    if isinstance(cause, OSError):
+        reason = cause.strerror or str(cause)
+    elif code:
+        reason = os.strerror(int(code.group(1)))
+    else:
+        reason = str(error).splitlines()[0][:300]
+    last = mngr.latest_step()
+    kept = f"the checkpoint of epoch {last} is complete" if last is not None else "no earlier checkpoint exists"
+    return CheckpointWriteError(
+        f"could not write {what} in {workdir}: {reason}; {kept} (the "
+        "partial one is ignored when the run starts again); free space and run the same command to resume")
+
+
+def _close_manager(mngr: ocp.CheckpointManager, workdir: str, failure_reported: bool) -> None:
+    """Wait for the last save and close ``mngr``; a failed save raises CheckpointWriteError unless one was
+    already reported."""
+    error = None
+    for finish in (mngr.wait_until_finished, mngr.close):   # close waits again, and raises the same failure
+        try:
+            finish()
+        except WRITE_FAILURES as e:
+            error = error or e
+    if error is not None and not failure_reported:
+        raise checkpoint_write_error(mngr, workdir, error) from error
+
+
 def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: PolicyConfig,
                        epoch: int | None = None) -> tuple[TrainState, dict]:
     """(state, train_meta) of ``epoch`` (default: the latest), restored onto the structure and shardings
@@ -262,7 +308,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     run after that epoch (its checkpoint written), as if it had been stopped there; running again with a
     larger value (or 0) continues it.
     Raises ValueError for a bad config, NonFiniteError when a step's loss or gradient is not finite (the
-    last good checkpoint stays the latest), distributed.ProcessFailure when a computation fails in a run of
+    last good checkpoint stays the latest), CheckpointWriteError when a checkpoint cannot be written (the
+    previous one stays usable), distributed.ProcessFailure when a computation fails in a run of
     several processes (most often: another process stopped).
     """
     run = check_config(config)
@@ -282,7 +329,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
     k_init, run_key = jax.random.split(jax.random.key(config.seed))
     template = fns.init_state(training.init_params(cfg, k_init))
     mngr = checkpoint_manager(workdir, config.keep_checkpoints)
-    lost_processes = False
+    lost_processes = write_failed = False
     try:
         if mngr.latest_step() is not None:
             state, meta = restore_latest_readable(mngr, template, cfg, workdir)
@@ -305,6 +352,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
         with precision.matmul_precision(config.get("matmul_precision", precision.TRAIN_DEFAULT)):
             return _run(config, run, fns, mngr, state, start_epoch, run_key, workdir, metrics_path,
                         stop_after_epoch)
+    except CheckpointWriteError:
+        write_failed = True
+        raise
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
@@ -316,8 +366,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
                                            if last is not None else "none (no epoch had completed)") from e
     finally:
         if not lost_processes:
-            mngr.wait_until_finished()
-            mngr.close()
+            _close_manager(mngr, workdir, write_failed)
 
 
 def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, start_epoch: int, run_key,
@@ -398,16 +447,22 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
             validate(record)
         record["time"]["wall_seconds"] = time.perf_counter() - wall0
         if is_main:
-            append_metrics(metrics_path, record)
-            if "val" in record:
-                plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
+            try:
+                append_metrics(metrics_path, record)
+                if "val" in record:
+                    plot_validation(metrics_path, os.path.join(workdir, PLOT_FILE))
+            except OSError as e:
+                raise checkpoint_write_error(mngr, workdir, e, "the metrics") from e
         # With a wall-clock budget the run ends when another epoch like this one would overrun it.
         now = time.perf_counter()
         # Process 0's clock decides for all: the processes save and stop together.
         out_of_time = bool(time_limit) and distributed.same_on_all((now - wall0) + (now - t0) > time_limit)
         last = epoch == config.epochs or epoch == stop_after_epoch or out_of_time
         if epoch % config.checkpoint_every_epochs == 0 or last:
-            save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
+            try:      # a save waits for the one before; either may find the filesystem refusing writes
+                save_checkpoint(mngr, epoch, state, cfg, dict(meta_base, epoch=epoch, step=step))
+            except WRITE_FAILURES as e:
+                raise checkpoint_write_error(mngr, workdir, e) from e
         if out_of_time:
             _say(f"stopping after epoch {epoch}: time_limit_seconds={time_limit:g} would be overrun by another")
         if (stop_after_epoch is not None and epoch >= stop_after_epoch) or out_of_time:
