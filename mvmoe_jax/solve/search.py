@@ -326,35 +326,48 @@ def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) 
                        seconds=seconds, compile_seconds=compile_s, plans={"greedy": decode_plan})
 
 
+def _run_rounds(result: BatchResult, settings: Settings, real: int, default_rounds: int, first_estimate: float,
+                run_round: Callable[[int], None]) -> None:
+    """``run_round(r)`` for r = 0, 1, ... while ``settings.rounds`` (else ``default_rounds`` when there is no time
+    limit) and the time limit allow, adding each round's seconds and count to ``result``. A round starts only
+    when it should end within the budget: predicted from the last round, or for the first by
+    ``first_estimate`` seconds."""
+    max_rounds = settings.rounds
+    if max_rounds is None and settings.time_limit is None:
+        max_rounds = default_rounds
+    budget = None if settings.time_limit is None else settings.time_limit * real
+    last = None
+    while max_rounds is None or result.rounds < max_rounds:
+        predicted = last if last is not None else first_estimate
+        if budget is not None and result.seconds + predicted > budget:
+            break
+        t0 = time.perf_counter()
+        run_round(result.rounds)
+        last = time.perf_counter() - t0
+        result.seconds += last
+        result.rounds += 1
+
+
 def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 as the incumbent, then sampling rounds while the time limit and round count allow."""
     result = greedy_search(decoder, batch, key, real)
     settings = decoder.settings
-    max_rounds = settings.rounds
-    if max_rounds is None and settings.time_limit is None:
-        max_rounds = DEFAULT_ROUNDS
-    budget = None if settings.time_limit is None else settings.time_limit * real
     compiled, decode_plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts)
     result.compile_seconds += compile_s
     result.plans["sampling"] = decode_plan
     params, batch = rollout.replicated((decoder.params, batch), decoder.num_devices)
     round_key = jax.random.fold_in(key, 1)
-    last = None
-    while max_rounds is None or result.rounds < max_rounds:
-        # A round starts only when it should end within the budget: predicted from the last round, or for the
-        # first from greedy's time (greedy decodes 1 / samples of a round's rollouts, each a little cheaper).
-        predicted = last if last is not None else 1.5 * settings.samples * result.seconds
-        if budget is not None and result.seconds + predicted > budget:
-            break
-        t0 = time.perf_counter()
-        k = rollout.replicated(jax.random.fold_in(round_key, result.rounds), decoder.num_devices)
+
+    def sampling_round(r: int) -> None:
+        k = rollout.replicated(jax.random.fold_in(round_key, r), decoder.num_devices)
         cost, actions = jax.device_get(compiled(params, batch, k))
-        last = time.perf_counter() - t0
-        result.seconds += last
-        result.rounds += 1
         better = np.asarray(cost) < result.cost
         result.cost = np.where(better, cost, result.cost)
         result.actions = np.where(better[:, None], actions, result.actions)
+
+    # The first round is predicted from greedy's time: greedy decodes 1 / samples of a round's rollouts, each a
+    # little cheaper.
+    _run_rounds(result, settings, real, DEFAULT_ROUNDS, 1.5 * settings.samples * result.seconds, sampling_round)
     return result
 
 
@@ -366,11 +379,6 @@ EAS_ITERATION_PER_GREEDY = 4.0
 def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 as the incumbent, then EAS iterations (``eas``) while the time limit and round count allow."""
     result = greedy_search(decoder, batch, key, real)
-    settings = decoder.settings
-    max_rounds = settings.rounds
-    if max_rounds is None and settings.time_limit is None:
-        max_rounds = DEFAULT_EAS_ROUNDS
-    budget = None if settings.time_limit is None else settings.time_limit * real
     (start, iteration), decode_plan, compile_s = decoder.eas_program(batch, result.plans["greedy"].starts)
     result.compile_seconds += compile_s
     result.plans["eas"] = decode_plan
@@ -381,18 +389,14 @@ def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> 
     jax.block_until_ready(state)
     result.seconds += time.perf_counter() - t0
     round_key = jax.random.fold_in(key, 1)
-    last = None
-    while max_rounds is None or result.rounds < max_rounds:
-        # An iteration starts only when it should end within the budget (as sampling's rounds).
-        predicted = last if last is not None else EAS_ITERATION_PER_GREEDY * greedy_seconds
-        if budget is not None and result.seconds + predicted > budget:
-            break
-        t0 = time.perf_counter()
-        k = rollout.replicated(jax.random.fold_in(round_key, result.rounds), decoder.num_devices)
+
+    def eas_iteration(r: int) -> None:
+        nonlocal state
+        k = rollout.replicated(jax.random.fold_in(round_key, r), decoder.num_devices)
         state = jax.block_until_ready(iteration(decoder.params, copies, state, k))
-        last = time.perf_counter() - t0
-        result.seconds += last
-        result.rounds += 1
+
+    _run_rounds(result, decoder.settings, real, DEFAULT_EAS_ROUNDS, EAS_ITERATION_PER_GREEDY * greedy_seconds,
+                eas_iteration)
     cost, actions = jax.device_get((state.best_cost, state.best_actions))
     result.cost, result.actions = np.asarray(cost), np.asarray(actions)
     result.adapted = eas.adapted_arrays(state, real)
