@@ -34,6 +34,9 @@ import numpy as np
 import machine  # benchmarks/machine.py (this folder is sys.path[0] when run)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from mvmoe_jax.training_validation import save_figure  # noqa: E402  (the repository root is on the path now)
+
 DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mvmoe-paper")
 SECTIONS = ("n50", "n100", "setx", "solomon")
 TRAINED = ("CVRP", "OVRP", "VRPB", "VRPL", "VRPTW", "OVRPTW")
@@ -135,12 +138,7 @@ def plot_curves(curves: dict[str, list[dict]], path: str) -> str:
             ax.plot(x, [p[group] for p in points], style, marker=".", label=f"{name} ({group} variants)")
     ax.set(xlabel="training instances", ylabel="mean validation gap % (greedy, no augmentation)",
            title="learning curves, n = 50")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, [ax], path)
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -196,7 +194,6 @@ def _commit() -> str:
 def run(models: list[str], paper_models: list[str | None], sections: list[str], data_dir: str,
         num_instances: int | None, execution: str = "auto") -> dict:
     """Evaluate every model on the sections; the JSON-ready report (see ``markdown``)."""
-    sys.path.insert(0, REPO)
     import jax
 
     from mvmoe_jax import cli

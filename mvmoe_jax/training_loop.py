@@ -176,8 +176,9 @@ WRITE_FAILURES = (OSError, ValueError, RuntimeError)
 
 def checkpoint_write_error(mngr: ocp.CheckpointManager, workdir: str, error: BaseException,
                            what: str = "a checkpoint") -> CheckpointWriteError:
-    """A CheckpointWriteError naming what could not be written (``what``) and where, the cause (the first operating-system error in ``error``'s
-    chain, e.g. "No space left on device", else ``error`` itself) and the last complete checkpoint."""
+    """A CheckpointWriteError naming what could not be written (``what``) and where, the cause (the first
+    operating-system error in ``error``'s chain or the code in a tensorstore message, e.g. "No space left on
+    device", else ``error`` itself) and the last complete checkpoint."""
     cause, seen = error, set()
     while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
         seen.add(id(cause))

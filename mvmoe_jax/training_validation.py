@@ -131,10 +131,18 @@ def plot_validation(metrics_path: str, out_path: str) -> bool:
     axes[0, 0].set(xlabel="epoch", ylabel="objective (greedy)", title="validation objective")
     if has_gap:
         axes[0, 1].set(xlabel="epoch", ylabel="gap %", title="validation gap")
-    for ax in axes[0]:
+    save_figure(fig, axes[0], out_path)
+    return True
+
+
+def save_figure(fig, axes, path: str) -> str:
+    """Grid and legend on each of ``axes``, then ``fig`` written to ``path`` (PNG) and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return path
