@@ -1,0 +1,182 @@
+"""Quality against time: greedy x8, sampling and EAS under several time limits, beside PyVRP and OR-Tools
+given the same wall time on the same machine, on the first K instances of the paper's n = 50 test sets.
+
+Every method solves the same K instances of a variant and gets the same wall time for the whole set: the
+policy's searches run batched on all of the machine's cores with ``time_limit`` seconds per instance; the
+reference solvers run one process per core (``--workers``, default all cores), each instance given
+``time_limit x workers`` seconds, so that K instances take K x time_limit seconds of wall time in both.
+Gaps are to the paper's reference solutions (HGS for CVRP and VRPTW, OR-Tools 200 s otherwise), averaged
+per instance as the paper does. Compilation is excluded from the policy's seconds and reported apart.
+
+    python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --num_instances=100 --time_limits=0.5,2,8
+
+JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import machine  # benchmarks/machine.py (this folder is sys.path[0] when run)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from mvmoe_jax.training_validation import save_figure  # noqa: E402  (the repository root is on the path now)
+
+DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mvmoe-paper")
+# Two trained variants, the hardest unseen one, and an unseen one without time windows.
+DEFAULT_VARIANTS = "CVRP,VRPTW,OVRPBLTW,VRPBL"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _row(method: str, time_limit: float | None, costs: np.ndarray, reference: np.ndarray, seconds: float,
+         feasible: int, **extra) -> dict:
+    from mvmoe_jax.evaluation import gap_percent
+
+    return {"method": method, "time_limit": time_limit, "mean_cost": float(np.mean(costs)),
+            "gap": gap_percent(costs, reference), "seconds_per_instance": seconds / len(costs),
+            "feasible": feasible, "instances": len(costs), **extra}
+
+
+def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: int) -> list[dict]:
+    """Greedy x8 once, then sampling and EAS at each time limit (seconds per instance)."""
+    from mvmoe_jax.solve import solve_instances
+
+    rows = []
+    runs = [("greedy x8", None)] + [(s, t) for t in time_limits for s in ("sampling", "eas")]
+    for method, limit in runs:
+        search = method.split()[0]
+        t0 = time.perf_counter()
+        sols = solve_instances(cfg, params, batch, search=search, seed=seed,
+                               **({} if limit is None else {"time_limit": limit}))
+        wall = time.perf_counter() - t0
+        seconds = float(sum(s.seconds for s in sols))
+        rows.append(_row(method, limit, np.array([s.cost for s in sols]), reference, seconds,
+                         sum(s.feasible for s in sols), wall_seconds=wall, compile_seconds=max(wall - seconds, 0.0),
+                         rounds=int(np.mean([s.rounds for s in sols]))))
+        print(f"  {method:10s} {limit or '':>5}  gap {rows[-1]['gap']:6.2f}%  {rows[-1]['seconds_per_instance']:.2f} s/inst",
+              flush=True)
+    return rows
+
+
+def baseline_rows(batch, variant: str, reference: np.ndarray, time_limits, workers: int, solvers) -> list[dict]:
+    """Each reference solver that models ``variant`` exactly, at each time limit (same wall time per set)."""
+    from mvmoe_jax import baselines
+
+    rows = []
+    for solver in solvers:
+        if variant not in baselines.supported_variants(solver):
+            continue
+        for limit in time_limits:
+            t0 = time.perf_counter()
+            sols = baselines.solve(batch, solver=solver, time_limit=limit * workers, workers=workers, progress=False)
+            wall = time.perf_counter() - t0
+            # The solvers' own seconds spread over the workers: the wall time they used, without the
+            # start-up of the worker processes (reported apart as wall_seconds).
+            used = float(np.sum(sols.seconds)) / workers
+            rows.append(_row(solver, limit, sols.costs, reference, used, len(sols.costs), wall_seconds=wall))
+            print(f"  {solver:10s} {limit:>5}  gap {rows[-1]['gap']:6.2f}%  {rows[-1]['seconds_per_instance']:.2f} s/inst",
+                  flush=True)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Machine: {report['machine']}; commit {report['commit']}; {report['date']}; model "
+             f"{report['checkpoint']}; first {report['num_instances']} instances of each n = 50 set.", "",
+             "| variant | method | time limit (s/inst) | gap % | s/inst | feasible |", "|---|---|---|---|---|---|"]
+    for variant, rows in report["variants"].items():
+        for r in rows:
+            limit = "-" if r["time_limit"] is None else f"{r['time_limit']:g}"
+            lines.append(f"| {variant} | {r['method']} | {limit} | {r['gap']:.2f} | {r['seconds_per_instance']:.2f} "
+                         f"| {r['feasible']}/{r['instances']} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(report["variants"])
+    fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.6), squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        rows = report["variants"][variant]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted((r["seconds_per_instance"], r["gap"]) for r in rows if r["method"] == method)
+            ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xscale("log")
+        ax.set_title(variant)
+        ax.set_xlabel("seconds per instance")
+    axes[0][0].set_ylabel("gap to the paper's reference (%)")
+    return save_figure(fig, axes[0], path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="shipped name or checkpoint path")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--num_instances", type=int, default=100)
+    p.add_argument("--time_limits", default="0.5,2,8", help="comma list of seconds per instance")
+    p.add_argument("--solvers", default="pyvrp,ortools", help="reference solvers to run beside the policy")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="reference-solver processes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data_dir", default=DEFAULT_DATA)
+    p.add_argument("--output", default=None, help="JSON path (markdown and PNG beside it); default "
+                   "benchmarks/results/search_vs_time_<date>.json")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from mvmoe_jax import checkpoints, io, problems
+
+    limits = [float(t) for t in args.time_limits.split(",") if t]
+    solvers = [s for s in args.solvers.split(",") if s]
+    cfg, params = checkpoints.load_policy(args.checkpoint)
+    report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
+                         f"{machine.cpu_model()})", "commit": _commit(), "date": datetime.date.today().isoformat(),
+              "checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
+              "variants": {}}
+    output = args.output or os.path.join(REPO, "benchmarks", "results",
+                                         f"search_vs_time_{datetime.date.today().isoformat()}.json")
+    stem = os.path.splitext(output)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    for variant in [v.name for v in problems.parse_variants(args.variants)]:
+        print(variant, flush=True)
+        batch = io.load_paper_instances(io.dataset_path(args.data_dir, variant, 50), variant,
+                                        num_instances=args.num_instances)
+        reference, _ = io.load_paper_solutions(io.reference_solution_path(args.data_dir, variant, 50),
+                                               num_instances=args.num_instances)
+        rows = policy_rows(cfg, params, batch, reference, limits, args.seed)
+        rows += baseline_rows(batch, variant, reference, limits, args.workers, solvers)
+        report["variants"][variant] = rows
+        with open(output, "w") as f:          # after every variant, so that a partial run keeps what it did
+            json.dump(report, f, indent=1)
+    report["plot"] = plot(report, stem + ".png")
+    with open(output, "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    print(f"wrote {output}, {stem}.md, {report['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
