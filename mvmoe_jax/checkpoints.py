@@ -124,8 +124,9 @@ def _check_state(state: dict, path) -> None:
         if not isinstance(name, str):
             raise CheckpointMismatchError(f"{path}: the state dict has an entry named {name!r}, not a parameter name")
         if not isinstance(value, np.ndarray):
-            raise CheckpointMismatchError(f"{path}: state dict entry {name!r} is a {type(value).__name__}, not a tensor")
-        floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"    # ml_dtypes' bfloat16 is kind "V"
+            raise CheckpointMismatchError(f"{path}: state dict entry {name!r} is a {type(value).__name__}, not a "
+                                          "tensor")
+        floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"   # ml_dtypes' bfloat16: kind "V"
         if not (floating or value.dtype.kind in "iu"):
             raise CheckpointMismatchError(f"{path}: state dict entry {name!r} is a tensor of {value.dtype}, not of "
                                           "real numbers")

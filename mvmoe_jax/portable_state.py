@@ -112,8 +112,8 @@ def _meta_problem(stored: dict) -> str | None:
     if not (type(epoch) is int and type(step) is int and epoch >= 0 and step >= 0):
         return f"'train_meta' must give 'epoch' and 'step' as non-negative integers, got {epoch!r} and {step!r}"
     # Plain names only: a path would read a file outside the exported folder.
-    if not isinstance(files, list) or not all(isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..")
-                                              for f in files):
+    if not isinstance(files, list) or not all(
+            isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..") for f in files):
         return "'files' must be a list of file names in the exported folder"
     if not isinstance(leaves, list) or not all(
             isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("key"), str)

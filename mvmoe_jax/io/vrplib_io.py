@@ -267,9 +267,10 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
 
     Raises ValueError (naming the file) for a missing, empty or unreadable file, an unknown field or section,
     an edge weight type other than EUC_2D, a missing CAPACITY / NODE_COORD / DEMAND / DEPOT section, text or
-    NaN or infinities where numbers belong, a depot other than node 1 alone, a nonzero depot demand, negative demands, demands or pickups above capacity, counts that disagree
-    with DIMENSION, a window closing before it opens, and a customer no route can serve (a window closing
-    before a vehicle can arrive, a route limit shorter than its round trip, ...).
+    NaN or infinities where numbers belong, a depot other than node 1 alone, a nonzero depot demand, negative
+    demands, demands or pickups above capacity, counts that disagree with DIMENSION, a window closing before it
+    opens, and a customer no route can serve (a window closing before a vehicle can arrive, a route limit
+    shorter than its round trip, ...).
     """
     path = require_file(path)
     data = _parse_vrplib(path)
