@@ -91,8 +91,9 @@ def _linear(state, name: str, bias: bool = True) -> dict:
 
 def infer_torch_config(state: dict[str, np.ndarray]) -> PolicyConfig:
     """Read the architecture off a reference state dict's names and shapes."""
-    if "decoder.Wq_last.weight" not in state:
-        raise CheckpointMismatchError("not an MVMoE/POMO-MTL state dict: decoder.Wq_last.weight is missing")
+    for key in ("decoder.Wq_last.weight", "decoder.Wk.weight"):
+        if key not in state:
+            raise CheckpointMismatchError(f"not an MVMoE/POMO-MTL state dict: {key} is missing")
     emb = state["decoder.Wk.weight"].shape[0]
     layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"encoder\.layers\.(\d+)\.", k))})
     positions = [f"Enc{i}" for i in layers if f"encoder.layers.{i}.feedForward.w_gate" in state]
@@ -104,11 +105,34 @@ def infer_torch_config(state: dict[str, np.ndarray]) -> PolicyConfig:
     gate = next((state[k] for k in state if k.endswith("w_gate")), None)
     hidden = state.get("encoder.layers.0.feedForward.W1.weight",
                        state.get("encoder.layers.0.feedForward.experts.0.fc1.weight"))
+    if hidden is None:
+        raise CheckpointMismatchError("not an MVMoE/POMO-MTL state dict: the first encoder layer has no "
+                                      "feed-forward weight (feedForward.W1 or feedForward.experts.0.fc1)")
     model = "mvmoe_light" if light else ("mvmoe" if positions else "pomo_mtl")
     kwargs = dict(model=model, embedding_dim=emb, num_layers=len(layers), ff_hidden_dim=hidden.shape[0])
     if positions:
         kwargs.update(num_experts=gate.shape[1], expert_loc=tuple(positions))
+    else:   # a dense model ignores MoE positions; keep the default's that exist at this depth
+        kwargs["expert_loc"] = tuple(p for p in PolicyConfig.expert_loc if p == "Dec" or int(p[3:]) < len(layers))
     return PolicyConfig(**kwargs)
+
+
+def _check_state(state: dict, path) -> None:
+    """A CheckpointMismatchError naming ``path`` and the entry when the state dict holds anything but named
+    real-valued tensors (torch saves every parameter and buffer as one), or NaN or infinite values."""
+    for name, value in state.items():
+        if not isinstance(name, str):
+            raise CheckpointMismatchError(f"{path}: the state dict has an entry named {name!r}, not a parameter name")
+        if not isinstance(value, np.ndarray):
+            raise CheckpointMismatchError(f"{path}: state dict entry {name!r} is a {type(value).__name__}, not a "
+                                          "tensor")
+        floating = value.dtype.kind == "f" or value.dtype.name == "bfloat16"   # ml_dtypes' bfloat16: kind "V"
+        if not (floating or value.dtype.kind in "iu"):
+            raise CheckpointMismatchError(f"{path}: state dict entry {name!r} is a tensor of {value.dtype}, not of "
+                                          "real numbers")
+        if floating and not np.all(np.isfinite(value)):
+            raise CheckpointMismatchError(f"{path}: state dict entry {name!r} holds non-finite values (NaN or "
+                                          "infinity)")
 
 
 def torch_state_to_params(state: dict[str, np.ndarray], cfg: PolicyConfig) -> dict:
@@ -156,7 +180,14 @@ def import_torch_checkpoint(path: str | os.PathLike, cfg: PolicyConfig | None = 
     state = blob.get("model_state_dict", blob) if isinstance(blob, dict) else None
     if not isinstance(state, dict) or not state:
         raise CheckpointMismatchError(f"{path}: no model_state_dict in this checkpoint")
-    found = infer_torch_config(state)
+    _check_state(state, path)
+    try:
+        found = infer_torch_config(state)
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(f"{path}: {e}") from None
+    except (KeyError, AttributeError, IndexError, ValueError) as e:   # a tensor missing, or of another rank
+        raise CheckpointMismatchError(f"{path}: not an MVMoE/POMO-MTL state dict: cannot read its architecture "
+                                      f"({type(e).__name__}: {e})") from None
     if cfg is None:
         cfg = found
     elif cfg.model != found.model or cfg.uses_moe != found.uses_moe:
@@ -170,7 +201,12 @@ def import_torch_checkpoint(path: str | os.PathLike, cfg: PolicyConfig | None = 
                 if getattr(found, f) != getattr(cfg, f)]
         if diff:
             raise CheckpointMismatchError(f"{path} does not fit the config: " + "; ".join(diff))
-    params = {"params": torch_state_to_params(state, cfg)}
+    try:
+        params = {"params": torch_state_to_params(state, cfg)}
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(f"{path}: {e}") from None
+    except (IndexError, ValueError) as e:       # tensors of shapes that cannot be stacked or transposed
+        raise CheckpointMismatchError(f"{path} does not fit model {cfg.model!r}: {e}") from None
     check_params_fit(params["params"], cfg, os.fspath(path))
     return cfg, params
 

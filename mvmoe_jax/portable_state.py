@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 
 from mvmoe_jax import training
-from mvmoe_jax.io.npz_sizes import check_npz_sizes
+from mvmoe_jax.io.npz_sizes import read_arrays
 from mvmoe_jax.training_loop import (METRICS_FILE, check_config, checkpoint_manager, restore_checkpoint,
                                      save_checkpoint)
 from mvmoe_jax.training_validation import append_metrics, read_metrics
@@ -85,15 +85,53 @@ def export_state(workdir: str, out_dir: str, max_file_bytes: int = DEFAULT_MAX_F
     return written + [os.path.join(out_dir, META_FILE)]
 
 
-def import_state(in_dir: str, workdir: str) -> int:
-    """Write the state exported in ``in_dir`` as a checkpoint of a new training workdir; returns its epoch."""
+def _read_meta(in_dir: str) -> dict:
+    """The exported ``meta.json`` of ``in_dir``, checked for the fields and types ``import_state`` uses; a
+    ValueError naming the file and the first problem otherwise."""
+    path = os.path.join(in_dir, META_FILE)
     try:
-        with open(os.path.join(in_dir, META_FILE)) as f:
+        with open(path, encoding="utf-8") as f:
             stored = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{in_dir} holds no readable exported training state: {e}") from None
-    if stored.get("format") != FORMAT:
-        raise ValueError(f"{in_dir}: not an exported training state of this version ({stored.get('format')!r})")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: no readable exported training state ({type(e).__name__}: {e})") from None
+    if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+        found = stored.get("format") if isinstance(stored, dict) else type(stored).__name__
+        raise ValueError(f"{path}: not an exported training state of this version ({found!r})")
+    problem = _meta_problem(stored)
+    if problem:
+        raise ValueError(f"{path}: malformed exported training state: {problem}")
+    return stored
+
+
+def _meta_problem(stored: dict) -> str | None:
+    """What in an exported meta.json is missing or of the wrong type, in words; None when nothing is."""
+    meta, files, leaves, metrics = (stored.get(k) for k in ("train_meta", "files", "leaves", "metrics"))
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        return "'train_meta' must be an object holding the run's 'config'"
+    epoch, step = meta.get("epoch"), meta.get("step")
+    if not (type(epoch) is int and type(step) is int and epoch >= 0 and step >= 0):
+        return f"'train_meta' must give 'epoch' and 'step' as non-negative integers, got {epoch!r} and {step!r}"
+    # Plain names only: a path would read a file outside the exported folder.
+    if not isinstance(files, list) or not all(
+            isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..") for f in files):
+        return "'files' must be a list of file names in the exported folder"
+    if not isinstance(leaves, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("path"), str) and isinstance(r.get("key"), str)
+            and type(r.get("file")) is int and 0 <= r["file"] < len(files) for r in leaves):
+        return "'leaves' must be a list of {path, key, file} records, each file an index into 'files'"
+    if not isinstance(metrics or [], list) or not all(isinstance(m, dict) for m in metrics or []):
+        return "'metrics' must be a list of records"
+    return None
+
+
+def import_state(in_dir: str, workdir: str) -> int:
+    """Write the state exported in ``in_dir`` as a checkpoint of a new training workdir; returns its epoch.
+
+    A ValueError naming the file and the problem for a missing or malformed ``meta.json``, a state file that
+    is not a readable archive of plain arrays (``npz_sizes.read_arrays``: truncated, pickled objects, sizes the
+    file cannot hold), a missing array, an array of another shape or dtype than the config's state, or NaN or
+    infinite values; nothing is written then."""
+    stored = _read_meta(in_dir)
     meta = stored["train_meta"]
     config = ml_collections.ConfigDict(meta["config"])
     cfg, template = _template(config)
@@ -104,15 +142,17 @@ def import_state(in_dir: str, workdir: str) -> int:
     arrays: dict[int, dict[str, np.ndarray]] = {}
     values = []
     for r, (name, like) in zip(records, want):
+        file = os.path.join(in_dir, stored["files"][r["file"]])
         if r["file"] not in arrays:
-            file = os.path.join(in_dir, stored["files"][r["file"]])
-            check_npz_sizes(file)
-            with np.load(file, allow_pickle=False) as f:
-                arrays[r["file"]] = {k: f[k] for k in f.files}
+            arrays[r["file"]] = read_arrays(file)
+        if r["key"] not in arrays[r["file"]]:
+            raise ValueError(f"{file}: no array {r['key']!r} (leaf {name})")
         value = arrays[r["file"]][r["key"]]
         if value.shape != like.shape or value.dtype != like.dtype:
-            raise ValueError(f"{in_dir}: leaf {name} is {value.dtype}{list(value.shape)}, expected "
+            raise ValueError(f"{file}: leaf {name} is {value.dtype}{list(value.shape)}, expected "
                              f"{like.dtype}{list(like.shape)}")
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise ValueError(f"{file}: leaf {name} holds non-finite values (NaN or infinity)")
         values.append(value)
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values)
     with checkpoint_manager(workdir) as mngr:
@@ -120,7 +160,7 @@ def import_state(in_dir: str, workdir: str) -> int:
             raise ValueError(f"{workdir} already holds checkpoints; import into a new workdir")
         save_checkpoint(mngr, meta["epoch"], state, cfg, meta)
         mngr.wait_until_finished()
-    for row in stored.get("metrics", []):
+    for row in stored.get("metrics") or []:
         append_metrics(os.path.join(workdir, METRICS_FILE), row)
     return int(meta["epoch"])
 

@@ -22,14 +22,13 @@ import hashlib
 import json
 import os
 import pathlib
-import zipfile
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from mvmoe_jax.io.npz_sizes import check_npz_sizes
+from mvmoe_jax.io.npz_sizes import read_arrays
 from mvmoe_jax.nn.policy import PolicyConfig
 
 SHIPPED_DIR = pathlib.Path(__file__).resolve().parent / "pretrained"
@@ -119,8 +118,9 @@ def load(name: str, cfg: PolicyConfig | None = None, root: pathlib.Path | None =
                                 "reinstall the package")
     try:
         params = read_params(path)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise ShippedModelError(f"the weights of shipped model {name!r} ({path}) cannot be read: {e}") from None
+    except (OSError, ValueError) as e:
+        reason = str(e).removeprefix(f"{path}: ")     # the path is named once, here
+        raise ShippedModelError(f"the weights of shipped model {name!r} ({path}) cannot be read: {reason}") from None
     check_params_fit(params["params"], cfg, f"shipped model {name!r}")
     return cfg, params
 
@@ -135,13 +135,15 @@ def write_params(path: str | os.PathLike, params: dict) -> int:
 
 def read_params(path: str | os.PathLike) -> dict:
     """``{"params": ...}`` from a file ``write_params`` wrote (no pickles: loading runs no code). A
-    ValueError for an array that is not float32, or that claims more data than the file holds."""
-    check_npz_sizes(path)
-    with np.load(path, allow_pickle=False) as f:
-        flat = {k: f[k] for k in f.files}
+    ValueError for a file that is not such an archive (``npz_sizes.read_arrays``), an array that is not
+    float32, or one holding NaN or infinities (a model with them decodes silently meaningless routes)."""
+    flat = read_arrays(path)
     bad = [k for k, v in flat.items() if v.dtype != np.float32]
     if bad:
         raise ValueError(f"parameters not float32: {', '.join(bad[:4])}")
+    bad = [k for k, v in flat.items() if not np.all(np.isfinite(v))]
+    if bad:
+        raise ValueError(f"parameters holding non-finite values (NaN or infinity): {', '.join(bad[:4])}")
     return {"params": traverse_util.unflatten_dict({tuple(k.split("/")): jnp.asarray(v) for k, v in flat.items()})}
 
 

@@ -26,6 +26,7 @@ maps costs back. The rules are the environment's (docs/environment.md).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 
@@ -59,10 +60,18 @@ class JsonMeta:
 
 
 def _array(value, shape_desc: str, where: str, key: str, ndim: int) -> np.ndarray:
+    """``value`` as float64 of ``ndim`` dimensions. Only JSON numbers count: numpy would read true as 1 and
+    "3" as 3, so booleans, strings and nulls are refused by value."""
     try:
-        arr = np.asarray(value, np.float64)
-    except (TypeError, ValueError):
+        cells = np.asarray(value, dtype=object)
+    except ValueError:
         raise ValueError(f"{where}: '{key}' must be {shape_desc} of numbers") from None
+    wrong = [v for v in cells.flat if type(v) not in (int, float)]
+    if wrong and isinstance(wrong[0], list):
+        raise ValueError(f"{where}: '{key}' must be {shape_desc} of numbers, with rows of one length")
+    if wrong:
+        raise ValueError(f"{where}: '{key}' must be {shape_desc} of numbers, found {json.dumps(wrong[0])[:40]}")
+    arr = cells.astype(np.float64)
     if arr.ndim != ndim or not np.all(np.isfinite(arr)):
         raise ValueError(f"{where}: '{key}' must be {shape_desc} of finite numbers")
     return arr

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import zipfile
 
 import jax.numpy as jnp
 import numpy as np
 
 from mvmoe_jax.instances import Instance
-from mvmoe_jax.io.npz_sizes import check_npz_sizes
+from mvmoe_jax.io.npz_sizes import read_arrays
 from mvmoe_jax.io.vrplib_io import require_file
 
 FORMAT_VERSION = 1
@@ -53,7 +52,7 @@ if set(FIELDS) != set(_SPEC):
 
 def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
     """Every field present, with its dtype, shapes consistent with one batch size and node count, and
-    finite float values (route_limit may be +inf: no limit)."""
+    finite float values (route_limit may be +inf, meaning no limit, where has_limit is false)."""
     missing = [f for f in FIELDS if f not in arrays]
     if missing:
         raise ValueError(f"{source}: missing Instance field(s) {missing}")
@@ -71,20 +70,20 @@ def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
         if arr.shape != want:
             raise ValueError(f"{source}: field {name!r} has shape {arr.shape}, expected {want} "
                              f"(batch {batch}, {nodes} nodes, from 'locs')")
-        # +inf is how an instance without a duration limit stores its route_limit; NaN is never valid.
+    for name in FIELDS:
+        arr = arrays[name]
+        note = ""
+        # +inf is how an instance without a route limit stores its route_limit; NaN and -inf are never valid.
         if name == "route_limit":
-            bad = np.isnan(arr)
+            bad = np.isnan(arr) | (arr == -np.inf) | (np.isinf(arr) & arrays["has_limit"])
+            note = "; +inf stands for no route limit, only where has_limit is false"
         elif arr.dtype.kind == "f":
             bad = ~np.isfinite(arr)
         else:
             continue
         if bad.any():
             raise ValueError(f"{source}: field {name!r} holds non-finite values (first at index "
-                             f"{tuple(int(i) for i in np.argwhere(bad)[0])})")
-
-
-class _NotAnArchive(Exception):
-    """Internal: np.load returned a bare array."""
+                             f"{tuple(int(i) for i in np.argwhere(bad)[0])}){note}")
 
 
 def save_npz(path: str | os.PathLike, instances: Instance, *, compressed: bool = False) -> None:
@@ -104,25 +103,13 @@ def save_npz(path: str | os.PathLike, instances: Instance, *, compressed: bool =
 def load_npz(path: str | os.PathLike) -> Instance:
     """Read a file written by ``save_npz`` -> batched Instance (jax arrays).
 
-    Raises ValueError naming the file and the problem: not an npz archive, pickled (object) arrays, an
-    array that claims more data than the file holds, a missing or unsupported format version, unknown keys, and any missing field or field whose dtype or
-    shape does not match the others.
+    Raises ValueError naming the file and the problem: not an npz archive (truncated, empty, other bytes),
+    pickled (object) arrays, an array or zip entry that claims more data than the file holds, a missing or
+    unsupported format version, unknown keys, any missing field or field whose dtype or shape does not match
+    the others, and NaN or infinite values (+inf only as the route limit of an instance without one).
     """
     path = require_file(path)
-    check_npz_sizes(path)
-    try:
-        loaded = np.load(path, allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise _NotAnArchive
-        with loaded:
-            arrays = {key: loaded[key] for key in loaded.files}
-    except _NotAnArchive:
-        raise ValueError(f"{path}: a single .npy array, not an .npz archive of Instance fields") from None
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as e:
-        # numpy raises ValueError for pickled data / object arrays under allow_pickle=False.
-        raise ValueError(f"{path}: not a readable .npz file of plain arrays ({type(e).__name__}: {e})") \
-            from None
-
+    arrays = read_arrays(path)
     if VERSION_KEY not in arrays:
         raise ValueError(f"{path}: no {VERSION_KEY!r} key; not written by save_npz")
     version = arrays.pop(VERSION_KEY)

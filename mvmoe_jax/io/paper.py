@@ -34,12 +34,37 @@ def variant_from_filename(path: str | os.PathLike) -> problems.Variant:
     return problems.get_variant(m.group(1))
 
 
+# The fields of an instance tuple in file order (the route limit only with L, the last three only with TW).
+FIELD_NAMES = ("depot", "node coordinates", "demands", "capacity", "route limit", "service times",
+               "time window starts", "time window ends")
+# What a field that should hold numbers holds instead, by numpy's dtype kind.
+_NOT_NUMBERS = {"b": "booleans", "c": "complex numbers", "O": "objects (e.g. None or containers)", "U": "text",
+                "S": "bytes", "M": "dates", "m": "time spans", "V": "raw records"}
+
+
+def _numbers(values, what: str, path) -> np.ndarray:
+    """One field of every instance as float64; a ValueError naming the file and the field for rows of
+    different sizes, values that are not real numbers (text, booleans, objects) and NaN or infinities."""
+    try:
+        arr = np.asarray(values)
+    except ValueError as e:       # rows of different lengths
+        raise ValueError(f"{path}: the {what} of the instances have different sizes or are malformed ({e})") from None
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{path}: {_NOT_NUMBERS.get(arr.dtype.kind, arr.dtype)} where the {what} should be numbers")
+    arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{path}: non-finite values (NaN or infinity) in the {what}")
+    return arr
+
+
 def load_paper_instances(path: str | os.PathLike, variant: str | problems.Variant | None = None, *,
                          num_instances: int | None = None, offset: int = 0) -> Instance:
     """Read a paper instance file into a batched Instance (leading batch axis).
 
     ``variant`` defaults to the one named by the file name. ``num_instances`` keeps the first K
-    instances after ``offset``.
+    instances after ``offset``. Raises ValueError naming the file for a file that is not such a pickle (or
+    names a global outside ``safe_pickle``'s allow-list), instances with the wrong number of fields, fields
+    whose shapes disagree, values that are not numbers (text, booleans, objects) and NaN or infinite values.
     """
     var = variant_from_filename(path) if variant is None else problems.get_variant(variant)
     data = safe_pickle.load(path)
@@ -57,25 +82,24 @@ def load_paper_instances(path: str | os.PathLike, variant: str | problems.Varian
             raise ValueError(
                 f"{path}: instance {offset + i} has {got} fields, but a {var.name} instance has {want} "
                 "(4: C/O/B, 5: +L, 7: +TW, 8: +L+TW); is the variant right?")
-    fields = list(zip(*rows))
-    try:
-        depot = np.asarray(fields[0], np.float64).reshape(len(rows), 2)
-        nodes = np.asarray(fields[1], np.float64)
-        demand = np.asarray(fields[2], np.float64)
-        capacity = np.asarray(fields[3], np.float64).reshape(len(rows))
-        rest = [np.asarray(f, np.float64) for f in fields[4:]]
-    except ValueError as e:
-        raise ValueError(f"{path}: instances of different sizes or malformed fields ({e})") from None
+    names = [*FIELD_NAMES[:4], *(["route limit"] if var.limit else []), *(FIELD_NAMES[5:] if var.tw else [])]
+    values = {name: _numbers(field, name, path) for name, field in zip(names, zip(*rows))}
+    depot, nodes, demand = values["depot"], values["node coordinates"], values["demands"]
     if nodes.ndim != 3 or nodes.shape[-1] != 2 or demand.shape != nodes.shape[:2]:
         raise ValueError(f"{path}: node coordinates {nodes.shape} and demands {demand.shape} do not match")
-    if not (np.all(np.isfinite(nodes)) and np.all(np.isfinite(demand))):
-        raise ValueError(f"{path}: non-finite coordinates or demands")
+    if depot.size != 2 * len(rows):
+        raise ValueError(f"{path}: the depot must be one [x, y] per instance, got shape {depot.shape}")
+    for name in names[3:]:      # one number per instance, or one per customer
+        want = (len(rows),) if name in ("capacity", "route limit") else demand.shape
+        if values[name].shape != want:
+            raise ValueError(f"{path}: {name} of shape {values[name].shape}, expected {want}")
     kwargs = {}
     if var.limit:
-        kwargs["route_limit"] = rest.pop(0).reshape(len(rows))
+        kwargs["route_limit"] = values["route limit"]
     if var.tw:
-        kwargs.update(service_time=rest[0], tw_start=rest[1], tw_end=rest[2], depot_close=DEPOT_CLOSE)
-    return from_arrays(depot, nodes, demand, capacity, variant=var, **kwargs)
+        kwargs.update(service_time=values["service times"], tw_start=values["time window starts"],
+                      tw_end=values["time window ends"], depot_close=DEPOT_CLOSE)
+    return from_arrays(depot, nodes, demand, values["capacity"], variant=var, **kwargs)
 
 
 def load_paper_solutions(path: str | os.PathLike, *, num_instances: int | None = None,

@@ -29,8 +29,11 @@ _ALLOWED = {
 }
 
 
-class UnsafePickleError(pickle.UnpicklingError):
-    """The file names a global that a data file has no reason to reference."""
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """The file names a global that a data file has no reason to reference.
+
+    Also a ``ValueError``, what the readers of this package raise for every unusable input, so that callers
+    which refuse bad files with ``except ValueError`` refuse this one too instead of crashing."""
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

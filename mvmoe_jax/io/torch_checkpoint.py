@@ -23,10 +23,12 @@ import collections
 import os
 import pickle
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
 
+from mvmoe_jax.io.npz_sizes import member_size_error
 from mvmoe_jax.io.safe_pickle import UnsafePickleError
 
 __all__ = ["load_torch_checkpoint", "CheckpointFormatError", "UnsafeCheckpointError"]
@@ -96,9 +98,10 @@ def _strided_copy(flat: np.ndarray, key: str, offset: Any, size: Any, stride: An
 class _CheckpointUnpickler(pickle.Unpickler):
     """Unpickles ``data.pkl`` with storages read from the zip and tensors rebuilt as numpy arrays."""
 
-    def __init__(self, file, archive: zipfile.ZipFile, prefix: str, byteorder: str):
+    def __init__(self, file, archive: zipfile.ZipFile, prefix: str, byteorder: str, archive_bytes: int):
         super().__init__(file)
         self._archive, self._prefix, self._byteorder = archive, prefix, byteorder
+        self._archive_bytes = archive_bytes  # the file's size: no member can hold more
         self._storages: dict[str, np.ndarray] = {}  # key -> flat array; several tensors may share one
         self._storage_keys: dict[int, str] = {}  # id(flat array) -> key, to recognise our own storages
 
@@ -147,9 +150,15 @@ class _CheckpointUnpickler(pickle.Unpickler):
             raise CheckpointFormatError(
                 f"storage {key!r} should hold {numel} x {dtype} = {nbytes} bytes, "
                 f"but {member} has {info.file_size}")
+        # The zip entry's sizes are checked too: a forged one would make us allocate what the file never held.
+        problem = member_size_error(info, self._archive_bytes)
+        if problem:
+            raise CheckpointFormatError(f"storage {key!r}: {member} {problem}")
         flat = np.empty(numel, dtype=dtype.newbyteorder("<" if self._byteorder == "little" else ">"))
         with self._archive.open(info) as f:  # read only the bytes the record claims
-            f.readinto(flat.view(np.uint8))
+            got = f.readinto(flat.view(np.uint8))
+        if got != nbytes:
+            raise CheckpointFormatError(f"storage {key!r}: {member} ends after {got} of its {nbytes} bytes (truncated)")
         return flat if flat.dtype.isnative else flat.astype(dtype.newbyteorder("="))
 
     def _rebuild_tensor(self, storage, offset, size, stride, requires_grad=False, backward_hooks=None,
@@ -184,12 +193,20 @@ def load_torch_checkpoint(path: str | os.PathLike) -> Any:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         UnsafeCheckpointError: the pickle references any other global (named in the message).
-        CheckpointFormatError: not a zip (e.g. the legacy pre-1.6 format), no ``data.pkl``, a missing or
-            short storage, a tensor view that does not fit its storage, or otherwise damaged.
+        CheckpointFormatError: empty, truncated, not a zip (e.g. the legacy pre-1.6 format), no ``data.pkl``, a
+            missing or short storage, a zip entry stating sizes the file cannot hold, a tensor view that does
+            not fit its storage, or otherwise damaged.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such checkpoint file: {path}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise CheckpointFormatError(f"{path}: empty file, not a torch checkpoint")
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+        raise CheckpointFormatError(f"{path}: a truncated or damaged zip archive (its central directory is "
+                                    "missing or unreadable)")
     if not zipfile.is_zipfile(path):
         raise CheckpointFormatError(
             f"{path} is not a zip archive. Only the zip format written by torch.save since torch 1.6 is "
@@ -198,8 +215,8 @@ def load_torch_checkpoint(path: str | os.PathLike) -> Any:
     try:
         with zipfile.ZipFile(path) as archive:
             return _load_archive(archive, path)
-    except zipfile.BadZipFile as e:
-        raise CheckpointFormatError(f"{path}: damaged zip archive ({e})") from None
+    except (zipfile.BadZipFile, zlib.error) as e:
+        raise CheckpointFormatError(f"{path}: damaged zip archive ({type(e).__name__}: {e})") from None
 
 
 def _find_prefix(archive: zipfile.ZipFile, path: str) -> str:
@@ -222,7 +239,7 @@ def _load_archive(archive: zipfile.ZipFile, path: str) -> Any:
         raise CheckpointFormatError(f"{path}: unknown byteorder {byteorder!r}")
     with archive.open(prefix + "data.pkl") as pkl:
         try:
-            return _CheckpointUnpickler(pkl, archive, prefix, byteorder).load()
+            return _CheckpointUnpickler(pkl, archive, prefix, byteorder, os.path.getsize(path)).load()
         except (UnsafeCheckpointError, CheckpointFormatError) as e:
             raise type(e)(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,

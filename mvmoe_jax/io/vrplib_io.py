@@ -54,6 +54,8 @@ def read_json(path: str) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a JSON file ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a usable JSON file (nested too deeply to read)") from None
 
 
 def unit_square_transform(xy: np.ndarray, *, source: str,
@@ -263,14 +265,17 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
     unrounded Euclidean lengths; ``meta.scale`` converts them to file units, still unrounded (CVRPLIB's own
     objective rounds each edge: see ``VrplibMeta.round_costs``).
 
-    Raises ValueError (naming the file) for a missing file, an unknown field or section, an edge weight type
-    other than EUC_2D, a missing CAPACITY / NODE_COORD / DEMAND / DEPOT section, a depot other than node 1
-    alone, a nonzero depot demand, negative demands, demands or pickups above capacity, counts that disagree
-    with DIMENSION, a window closing before it opens, and a customer no route can serve (a window closing
-    before a vehicle can arrive, a route limit shorter than its round trip, ...).
+    Raises ValueError (naming the file) for a missing, empty or unreadable file, an unknown field or section,
+    an edge weight type other than EUC_2D, a missing CAPACITY / NODE_COORD / DEMAND / DEPOT section, text or
+    NaN or infinities where numbers belong, a depot other than node 1 alone, a nonzero depot demand, negative
+    demands, demands or pickups above capacity, counts that disagree with DIMENSION, a window closing before it
+    opens, and a customer no route can serve (a window closing before a vehicle can arrive, a route limit
+    shorter than its round trip, ...).
     """
     path = require_file(path)
     data = _parse_vrplib(path)
+    if not data:
+        raise ValueError(f"{path}: empty file (no VRPLIB specification or section)")
     _check_fields(path)
 
     ewt = str(data.get("edge_weight_type", "")).upper()

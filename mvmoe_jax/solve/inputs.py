@@ -96,7 +96,10 @@ def _pickle_variant(path: str) -> problems.Variant:
     if len(row) not in by_fields:
         raise ValueError(f"{path}: instances of {len(row)} fields; the paper's have 4, 5, 7 or 8")
     var = by_fields[len(row)]
-    back = any(np.any(np.asarray(r[2], np.float64) < 0) for r in data[:100])
+    try:
+        back = any(np.any(np.asarray(r[2], np.float64) < 0) for r in data[:100])
+    except (TypeError, ValueError, IndexError):     # malformed demands: load_paper_instances names the problem
+        back = False
     return problems.variant_from_flags(False, back, var.limit, var.tw)
 
 
