@@ -235,7 +235,10 @@ def restore_policy(directory: str | os.PathLike, cfg: PolicyConfig | None = None
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory at {directory}")
     # Handlers named up front so that the stored array metadata can be read (see _single_device_target).
-    handlers = {"params": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+    # A training checkpoint also holds the optimiser state and run metadata: their handlers are named too, so
+    # that orbax does not warn about items it cannot restore (they are not read).
+    handlers = {"params": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+                "opt_state": ocp.StandardCheckpointHandler(), "train_meta": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(directory, item_handlers=handlers) as mngr:
         step = mngr.latest_step() if step is None else step
         if step is None:
