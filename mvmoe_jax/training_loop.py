@@ -456,8 +456,9 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
                 raise checkpoint_write_error(mngr, workdir, e, "the metrics") from e
         # With a wall-clock budget the run ends when another epoch like this one would overrun it.
         now = time.perf_counter()
-        # Process 0's clock decides for all: the processes save and stop together.
-        out_of_time = bool(time_limit) and distributed.same_on_all((now - wall0) + (now - t0) > time_limit)
+        # Process 0's clock and limit decide for all: the processes save and stop together. Every process
+        # takes part in the decision, whatever limit it was given.
+        out_of_time = distributed.same_on_all(bool(time_limit) and (now - wall0) + (now - t0) > time_limit)
         last = epoch == config.epochs or epoch == stop_after_epoch or out_of_time
         if epoch % config.checkpoint_every_epochs == 0 or last:
             try:      # a save waits for the one before; either may find the filesystem refusing writes

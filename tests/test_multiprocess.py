@@ -52,9 +52,9 @@ _LAUNCHES = itertools.count()
 
 class Launch:
     """``train.py`` as ``num`` processes of one CPU device each; their output goes to files beside the
-    workdir, apart for each launch (``out(p)``, ``err(p)``)."""
+    workdir, apart for each launch (``out(p)``, ``err(p)``). ``only``: flags given to one process alone."""
 
-    def __init__(self, workdir, *flags, num: int = 2):
+    def __init__(self, workdir, *flags, num: int = 2, only: dict[int, tuple[str, ...]] | None = None):
         self.workdir = workdir
         port = _free_port()
         n = next(_LAUNCHES)
@@ -65,7 +65,8 @@ class Launch:
         self.procs = []
         for p, (out, err) in enumerate(self.logs):
             with open(out, "w") as fo, open(err, "w") as fe:
-                self.procs.append(subprocess.Popen(_command(workdir, *common, f"--config.process_id={p}"),
+                own = (only or {}).get(p, ())
+                self.procs.append(subprocess.Popen(_command(workdir, *common, *own, f"--config.process_id={p}"),
                                                    cwd=REPO_ROOT, env=_env(), stdout=fo, stderr=fe))
 
     def out(self, p: int) -> str:
@@ -165,6 +166,18 @@ def test_checkpoints_move_between_two_processes_and_one(tmp_path):
     for workdir in ("two_then_one", "one_then_two"):
         _assert_same_parameters(tmp_path / "straight", tmp_path / workdir)
         assert _records(tmp_path / workdir) == _records(tmp_path / "straight")
+
+
+@pytest.mark.slow       # one launch of three epochs, ~2 minutes on 2 busy cores
+def test_process_zeros_time_limit_stops_every_process_after_the_same_epoch(tmp_path):
+    """Only process 0 is given a wall-clock budget (one that any epoch overruns): both processes save
+    epoch 1 and stop together, without error, instead of one waiting for the other."""
+    run = Launch(tmp_path / "run", "--config.epochs=3", only={0: ("--config.time_limit_seconds=0.001",)})
+    run.finish()
+    assert "stopping after epoch 1: time_limit_seconds=0.001" in run.out(0)
+    assert [r["epoch"] for r in _records(tmp_path / "run")] == [0, 1]
+    with training_loop.checkpoint_manager(str(tmp_path / "run")) as mngr:
+        assert mngr.all_steps() == [1]
 
 
 EVALUATION_SCRIPT = r"""
