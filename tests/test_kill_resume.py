@@ -1,6 +1,7 @@
 """train.py killed with SIGKILL while it writes a checkpoint, then started again with the same command,
 ends with exactly the parameters of a run that was never interrupted."""
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from mvmoe_jax import checkpoints
+from mvmoe_jax.training_validation import read_metrics, truncate_metrics
 from test_train_cli import TINY_FLAGS
 
 RUN_FLAGS = ["--config.epochs=4", "--config.train_episodes=16", "--config.batch_size=8",
@@ -71,6 +73,32 @@ def test_runs_killed_while_checkpointing_resume_to_the_same_parameters(tmp_path)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(b), np.asarray(a)), want, got)
     epochs = [line.split("/")[0] for line in out.splitlines() if line.startswith("epoch ")]
     assert epochs[-1] == "epoch 4"
+
+
+class _Crash(Exception):
+    """Stands for a kill in the middle of a write."""
+
+
+def test_a_restart_shortens_the_metrics_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A restart drops the metrics records past its checkpoint and a last line cut short by a kill; killed
+    while it does so, it leaves the old records whole (the shortened file is renamed over them complete)."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"epoch": e, "loss": e / 3} for e in range(4)]
+    before = "".join(json.dumps(r) + "\n" for r in rows) + '{"epoch": 4, "lo'
+    path.write_text(before)
+
+    def crash(*args):
+        raise _Crash
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", crash)
+        with pytest.raises(_Crash):
+            truncate_metrics(str(path), 2)
+    assert path.read_text() == before
+    truncate_metrics(str(path), 2)
+    assert read_metrics(str(path)) == rows[:3]
+    truncate_metrics(str(path), 5)          # nothing to drop: the file is left as it is
+    assert read_metrics(str(path)) == rows[:3]
 
 
 def _private_mounts_work(folder) -> bool:
