@@ -95,12 +95,19 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def truncate_metrics(path: str, last_epoch: int) -> None:
-    """Drop the records of epochs after ``last_epoch`` (written before a crash, after the checkpoint)."""
-    rows = read_metrics(path)
-    keep = [r for r in rows if r.get("epoch", 0) <= last_epoch]
-    if len(keep) != len(rows):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
+    """Drop the records of epochs after ``last_epoch`` (written before a crash, after the checkpoint) and a
+    last line that a crash cut short. The shortened file is written beside the old one and renamed over it,
+    so a crash here leaves the old records or the new ones, never a part of them."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    whole = [line for line in lines if line.endswith("\n")]     # only the last line can lack its newline
+    keep = [line for line in whole if line.strip() and json.loads(line).get("epoch", 0) <= last_epoch]
+    if keep != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
 
 
 def append_metrics(path: str, record: dict) -> None:
