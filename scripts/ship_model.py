@@ -1,0 +1,100 @@
+"""Make a training run's latest checkpoint a shipped model: ``mvmoe_jax/pretrained/<name>/`` with its
+parameters (float32 ``params.npz``), its card (``card.json``) and its learning curve (``curve.png``).
+
+    python scripts/ship_model.py --workdir=RUNS/mvmoe_n50 --name=mvmoe_4e_n50 \\
+        --results=benchmarks/results/paper_tables_mvmoe_4e_n50.json --commit=b39b242 \\
+        --command="scripts/train_shipped.sh RUNS 50 --config.data_dir=..."
+
+The card records what ``mvmoe_jax.shipped`` documents: the training command and config (as stored in the
+checkpoint), the commit, instances seen, the hardware and wall time (summed from ``metrics.jsonl``), the
+validation gaps of every validated epoch, the results table (a ``benchmarks/paper_tables.py`` report, its
+evaluation outputs left out) and ``check``: per-instance objectives that the tests reproduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import orbax.checkpoint as ocp  # noqa: E402
+
+from mvmoe_jax import checkpoints, shipped, training_validation  # noqa: E402  (the repository root is on the path now)
+
+# The card's check: 4 generated instances of each of the 16 variants at n = 50, greedy with x8 augmentation.
+CHECK = dict(seed=0, num_instances=4, num_customers=50, variants="ALL")
+
+
+def run_config(workdir: str) -> dict:
+    """The training config stored with the run's latest checkpoint (its ``train_meta``)."""
+    with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                               item_handlers={"train_meta": ocp.JsonCheckpointHandler()}) as mngr:
+        meta = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(train_meta=ocp.args.JsonRestore()))
+    return meta["train_meta"]["config"]
+
+
+def learning_curve(records: list[dict], instances_per_epoch: int) -> list[dict]:
+    """Per validated epoch: training instances seen and the validation gap (percent) of every variant."""
+    return [{"epoch": r["epoch"], "instances": r["epoch"] * instances_per_epoch,
+             "gap": {variant: round(v["gap"], 4) for variant, v in r["val"].items() if v.get("gap") is not None}}
+            for r in records if r.get("val")]
+
+
+def wall_seconds(records: list[dict]) -> float:
+    """Training and validation seconds of the whole run, summed over its epochs (resumes included)."""
+    return float(sum(r.get("time", {}).get("train_seconds", 0.0) + r.get("time", {}).get("validation_seconds", 0.0)
+                     for r in records))
+
+
+def results_table(path: str, checkpoint_label: str) -> dict:
+    """The paper_tables report at ``path`` for the one model in it, without the per-instance outputs."""
+    with open(path) as f:
+        report = json.load(f)
+    models = report.get("models", {})
+    if len(models) != 1:
+        raise ValueError(f"{path}: expected a report of one model ({checkpoint_label}), found {len(models)}")
+    (entry,) = models.values()
+    sections = {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
+                for k, v in entry.items()}
+    return {"machine": report.get("machine"), "commit": report.get("commit"), "date": report.get("date"),
+            "num_instances": report.get("num_instances"), **sections}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="the training run's workdir (checkpoints/ and metrics.jsonl)")
+    p.add_argument("--name", required=True, help="the shipped name, e.g. mvmoe_4e_n50")
+    p.add_argument("--results", required=True, help="benchmarks/paper_tables.py JSON report of this checkpoint")
+    p.add_argument("--command", required=True, help="the command that trained it")
+    p.add_argument("--commit", required=True, help="the commit of the code that trained it")
+    p.add_argument("--hardware", required=True, help="what it was trained on")
+    p.add_argument("--out_root", default=str(shipped.SHIPPED_DIR), help="folder of shipped models")
+    args = p.parse_args(argv)
+
+    cfg, params = checkpoints.load_policy(args.workdir)
+    stored = run_config(args.workdir)
+    records = training_validation.read_metrics(os.path.join(args.workdir, "metrics.jsonl"))
+    last_epoch = max(r["epoch"] for r in records)
+    instances = last_epoch * stored["train_episodes"]
+    print(f"{args.name}: epoch {last_epoch}, {instances:,} instances; computing the card's check ...")
+    check = shipped.check_objectives(cfg, params, **CHECK)
+    card = {"command": args.command, "commit": args.commit, "config": stored, "epochs": last_epoch,
+            "instances": instances, "hardware": args.hardware, "wall_seconds": round(wall_seconds(records), 1),
+            "results": results_table(args.results, args.workdir),
+            "learning_curve": learning_curve(records, stored["train_episodes"]),
+            "check": {**CHECK, "objectives": check}}
+    folder = shipped.export(pathlib.Path(args.out_root) / args.name, params, cfg, card)
+    png = os.path.join(args.workdir, "validation.png")
+    if os.path.exists(png):
+        shutil.copyfile(png, folder / "curve.png")
+    print(f"wrote {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
