@@ -1,4 +1,4 @@
-"""What machine a benchmark ran on, for the figures it saves."""
+"""What machine a benchmark ran on, for the figures it saves; writing a report beside it."""
 
 from __future__ import annotations
 
@@ -16,3 +16,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def write_report(report: dict, output: str, markdown_text: str) -> None:
+    """``report`` as JSON at ``output`` and ``markdown_text`` beside it (``.md``), the markdown printed."""
+    import json
+    import os
+
+    with open(output, "w") as f:
+        json.dump(report, f, indent=1)
+    stem = os.path.splitext(output)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown_text + "\n")
+    print(markdown_text)
+    print(f"wrote {output}, {stem}.md")

@@ -265,13 +265,7 @@ def main(argv=None) -> int:
             curves[name] = curve_points(path, args.instances_per_epoch)
         report["curves"] = curves
         report["curves_png"] = plot_curves(curves, stem + "_curves.png")
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    print(text)
-    print(f"wrote {output}, {stem}.md")
+    machine.write_report(report, output, markdown(report))
     return 0
 
 

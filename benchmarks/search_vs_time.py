@@ -168,13 +168,7 @@ def main(argv=None) -> int:
         with open(output, "w") as f:          # after every variant, so that a partial run keeps what it did
             json.dump(report, f, indent=1)
     report["plot"] = plot(report, stem + ".png")
-    with open(output, "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    print(text)
-    print(f"wrote {output}, {stem}.md, {report['plot']}")
+    machine.write_report(report, output, markdown(report))
     return 0
 
 
