@@ -30,3 +30,16 @@ def write_report(report: dict, output: str, markdown_text: str) -> None:
         f.write(markdown_text + "\n")
     print(markdown_text)
     print(f"wrote {output}, {stem}.md")
+
+
+def repository_commit() -> str:
+    """The short commit of the repository these benchmarks belong to, or 'unknown' outside git."""
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

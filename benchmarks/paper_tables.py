@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
 import types
 
@@ -183,14 +182,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(models: list[str], paper_models: list[str | None], sections: list[str], data_dir: str,
         num_instances: int | None, execution: str = "auto") -> dict:
     """Evaluate every model on the sections; the JSON-ready report (see ``markdown``)."""
@@ -205,7 +196,7 @@ def run(models: list[str], paper_models: list[str | None], sections: list[str], 
         paper = json.load(f)["results"]
     report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
                          f"{machine.cpu_model()})",
-              "commit": _commit(), "date": datetime.date.today().isoformat(), "num_instances": num_instances,
+              "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(), "num_instances": num_instances,
               "data_dir": data_dir, "models": {}}
     for model, paper_model in zip(models, paper_models):
         entry = report["models"][model] = {"paper_model": paper_model}

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -34,14 +33,6 @@ from mvmoe_jax.training_validation import save_figure  # noqa: E402  (the reposi
 DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mvmoe-paper")
 # Two trained variants, the hardest unseen one, and an unseen one without time windows.
 DEFAULT_VARIANTS = "CVRP,VRPTW,OVRPBLTW,VRPBL"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _row(method: str, time_limit: float | None, costs: np.ndarray, reference: np.ndarray, seconds: float,
@@ -149,7 +140,7 @@ def main(argv=None) -> int:
     solvers = [s for s in args.solvers.split(",") if s]
     cfg, params = checkpoints.load_policy(args.checkpoint)
     report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
-                         f"{machine.cpu_model()})", "commit": _commit(), "date": datetime.date.today().isoformat(),
+                         f"{machine.cpu_model()})", "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(),
               "checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
               "variants": {}}
     output = args.output or os.path.join(REPO, "benchmarks", "results",
