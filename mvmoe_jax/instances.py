@@ -18,7 +18,9 @@ from flax import struct
 from mvmoe_jax import problems
 
 # Raw vehicle capacity per problem size (paper, Appendix A); demands are raw integers in 1..9.
-CAPACITY_BY_SIZE = {20: 30.0, 50: 40.0, 100: 50.0, 200: 70.0}
+# Raw vehicle capacity by n: the paper's 20-200; 500 and 1000 follow the convention of Kool et al. (2019) and
+# Hottung et al. (2022) that RL4CO and RouteFinder use, for instances beyond the paper's sizes.
+CAPACITY_BY_SIZE = {20: 30.0, 50: 40.0, 100: 50.0, 200: 70.0, 500: 100.0, 1000: 150.0}
 BACKHAUL_RATIO = 0.2
 ROUTE_LIMIT = 3.0
 DEPOT_CLOSE = 3.0        # the depot's time window is [0, 3]
@@ -159,8 +161,8 @@ def from_arrays(depot_xy, node_xy, demand, capacity, *, variant, route_limit=Non
 
 def _check_size(num_customers: int) -> float:
     if num_customers not in CAPACITY_BY_SIZE:
-        raise ValueError(f"problem size must be one of {sorted(CAPACITY_BY_SIZE)} (the paper's capacities "
-                         f"are defined for those), got {num_customers}")
+        raise ValueError(f"problem size must be one of {sorted(CAPACITY_BY_SIZE)} (the sizes with a defined "
+                         f"vehicle capacity), got {num_customers}")
     return CAPACITY_BY_SIZE[num_customers]
 
 

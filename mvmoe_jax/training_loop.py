@@ -67,8 +67,8 @@ def _require(cond: bool, message: str) -> None:
 def check_config(config: ml_collections.ConfigDict) -> RunSettings:
     """Validate a run config (clear ValueErrors) and derive the run's settings."""
     n = config.problem_size
-    _require(n in CAPACITY_BY_SIZE, f"problem_size must be one of {sorted(CAPACITY_BY_SIZE)} (the paper's "
-             f"generator defines capacities for those), got {n}")
+    _require(n in CAPACITY_BY_SIZE, f"problem_size must be one of {sorted(CAPACITY_BY_SIZE)} (the sizes "
+             f"with a defined vehicle capacity), got {n}")
     _require(1 <= config.pomo_size <= n, f"pomo_size must be between 1 and problem_size ({n}), got "
              f"{config.pomo_size}")
     for name in ("batch_size", "epochs", "train_episodes", "checkpoint_every_epochs",

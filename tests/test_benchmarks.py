@@ -374,3 +374,22 @@ def test_paper_tables_group_and_format_the_evaluations(tmp_path):
     text = tables.markdown(report)
     assert "| CVRP | 2.00 (0.90) |" in text and "| mean, trained | 3.00 (-) |" in text
     assert "| 100 <= n < 200 | 2 | 3.00 | 2.00 |" in text and "Solomon" not in text
+
+
+def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
+    """benchmarks/large_instances.py on one generated n = 200 instance with at most 20 starts: the plan within
+    its budget, the checker agreeing with every cost, the report written; a size without a capacity refused."""
+    from conftest import require_shared
+    ckpt = require_shared("fixtures", "torch-reference", "checkpoints", "moe_n20_fixture.pt")
+    large = _benchmarks_module("large_instances")
+    out = tmp_path / "large.json"
+    large.main([f"--checkpoint={ckpt}", "--sizes=200", "--variants=OVRPBLTW", "--num_instances=1",
+                "--max_starts=20", f"--output={out}"])
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert (row["n"], row["variant"], row["starts"]) == (200, "OVRPBLTW", 20)
+    assert row["plan"].startswith("20 of 200 POMO starts") and 0 < row["plan_bytes"] <= row["budget_bytes"]
+    assert row["feasible"] == 1 and row["cost_agrees"] and row["gap"] is None
+    assert "| 200 | OVRPBLTW | 20 of 200 POMO starts" in (tmp_path / "large.md").read_text()
+    with pytest.raises(SystemExit, match="size 300 has no defined capacity"):
+        large.main([f"--checkpoint={ckpt}", "--sizes=300", f"--output={out}"])

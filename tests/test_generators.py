@@ -32,9 +32,9 @@ def test_bad_size_is_a_clear_error():
         instances.generate(jax.random.key(0), 2, 30, "CVRP")
 
 
-@pytest.mark.parametrize("size", [20, 50, 100, pytest.param(200, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("size", [20, 50, 100] + [pytest.param(n, marks=pytest.mark.slow) for n in (200, 500, 1000)])
 def test_appendix_a_distributions_and_feasibility(size):
-    batch_per_variant = 48 if size <= 100 else 16
+    batch_per_variant = 48 if size <= 100 else 16 if size <= 200 else 4
     capacity = instances.CAPACITY_BY_SIZE[size]
     for k, var in enumerate(problems.VARIANTS):
         b = jax.device_get(instances.generate(jax.random.key(100 * size + k), batch_per_variant, size, var))
