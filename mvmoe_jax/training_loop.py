@@ -229,10 +229,10 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 # The config fields that decide what a run computes: resuming with another value would silently continue a
 # different run. The others may change between calls: workdir, stop_after_epoch, time_limit_seconds, the
 # validation and checkpoint cadence, devices, the progress bar, execution choices that give the same
-# results, and epochs (a run may be extended; the learning-rate schedule follows the new count).
+# results, and epochs with lr_decay_epoch_fraction (a run may be extended; the learning-rate schedule follows
+# the new values, so that an extension can keep the decay epoch it had or move it).
 RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
-              "batch_size", "learning_rate", "weight_decay", "lr_decay_epoch_fraction", "lr_decay_factor",
-              "aux_loss_coef", "finetune_from")
+              "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from")
 
 
 class RunMismatchError(ValueError):
@@ -385,6 +385,9 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
     _say(f"training {cfg.model} on {','.join(run.variants)} (n={config.problem_size}, pomo={config.pomo_size}) "
          f"with {fns.num_devices} device(s): {config.epochs} epochs x {run.steps_per_epoch} steps of "
          f"{config.batch_size}; workdir {workdir}")
+    opt = run.optimizer
+    _say(f"learning rate {opt.learning_rate:g}" + ("" if opt.decay_step is None else
+         f", x{opt.decay_factor:g} from epoch {opt.decay_step // run.steps_per_epoch + 1}"))
     meta_base = {"seed": config.seed, "rng_key_data": np.asarray(jax.random.key_data(run_key)).tolist(),
                  "steps_per_epoch": run.steps_per_epoch, "config": config.to_dict()}
     is_main = distributed.is_main()

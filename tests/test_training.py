@@ -472,7 +472,7 @@ def test_sharded_step_with_and_without_the_record_and_grouping():
     assert out["sgd"]["loss"][0] == pytest.approx(out["sgd_grouped"]["loss"][0], rel=1e-4)
 
 
-def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path):
+def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path, capsys):
     first = tiny_config(tmp_path / "run", stop_after_epoch=1)
     training_loop.train_and_evaluate(first)
     changed = tiny_config(tmp_path / "run", batch_size=16, learning_rate=5e-4)
@@ -481,6 +481,14 @@ def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path):
     # What may change between calls does not stop it: where to stop, the budget, the validation cadence.
     again = tiny_config(tmp_path / "run", stop_after_epoch=2, time_limit_seconds=3600.0, validate_every_epochs=2)
     assert training_loop.train_and_evaluate(again)["epoch"] == 2
+    # Nor does extending the run with a schedule of its own: the rate drops from the epoch the new pair says.
+    capsys.readouterr()
+    longer = tiny_config(tmp_path / "run", epochs=8, lr_decay_epoch_fraction=0.25, stop_after_epoch=4)
+    assert training_loop.train_and_evaluate(longer)["epoch"] == 4
+    assert "learning rate 0.001, x0.1 from epoch 4" in capsys.readouterr().out
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rates = {r["epoch"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+    assert rates[3] == pytest.approx(1e-3) and rates[4] == pytest.approx(1e-4)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "overwritten"])
