@@ -3,7 +3,7 @@ parameters (float32 ``params.npz``), its card (``card.json``) and its learning c
 
     python scripts/ship_model.py --workdir=RUNS/mvmoe_n50 --name=mvmoe_4e_n50 \\
         --results=benchmarks/results/paper_tables_mvmoe_4e_n50.json --commit=b39b242 \\
-        --command="scripts/train_shipped.sh RUNS 50 --config.data_dir=..."
+        --command="scripts/train_shipped.sh RUNS 100 --config.data_dir=..."
 
 The card records what ``mvmoe_jax.shipped`` documents: the training command and config (as stored in the
 checkpoint), the commit, instances seen, the hardware and wall time (summed from ``metrics.jsonl``), the
