@@ -338,6 +338,15 @@ def non_finite_cases(fmt: str) -> list[Case]:
             for field, label in FIELD_NAMES[fmt].items() for word, value in NON_FINITE.items()]
 
 
+def spec_shape_cases(fmt: str, write: Callable, *, demand_short: str, coords_3_columns: str,
+                     windows_short: str) -> list[Case]:
+    """The demand and the time windows one node short, and coordinates of three columns, for a format written
+    from an instance spec by ``write(folder, spec)``; each with the phrase its error must contain."""
+    return [Case(fmt, "shape", "demand-one-short", lambda f: write(f, short("demand")), (demand_short,)),
+            Case(fmt, "shape", "coords-of-3-columns", lambda f: write(f, three_columns()), (coords_3_columns,)),
+            Case(fmt, "shape", "windows-one-short", lambda f: write(f, short("windows")), (windows_short,))]
+
+
 def vrplib_edited(old: str, new: str) -> Callable:
     return lambda folder: vrplib_file(folder, edit=lambda text: replaced(text, old, new))
 
@@ -383,12 +392,9 @@ JSON_CASES = [
     *byte_damages("json", json_file, text=True, truncated="not a JSON file", empty="not a JSON file",
                   random="not a JSON file"),
     *non_finite_cases("json"),
-    Case("json", "shape", "demand-one-short", lambda f: json_file(f, short("demand")),
-         (r"'demand' has 2 entries for 3 customers",)),
-    Case("json", "shape", "coords-of-3-columns", lambda f: json_file(f, three_columns()),
-         (r"'depot' must be \[x, y\] and 'customers' a non-empty list of \[x, y\]",)),
-    Case("json", "shape", "windows-one-short", lambda f: json_file(f, short("windows")),
-         (r"'time_windows' must give \[earliest, latest\] for each of the 3 customers",)),
+    *spec_shape_cases("json", json_file, demand_short=r"'demand' has 2 entries for 3 customers",
+                      coords_3_columns=r"'depot' must be \[x, y\] and 'customers' a non-empty list of \[x, y\]",
+                      windows_short=r"'time_windows' must give \[earliest, latest\] for each of the 3 customers"),
     Case("json", "dtype", "booleans-as-demand", lambda f: json_file(f, demand=[True, True, False]),
          (r"'demand' must be a list of numbers, found true",)),
     Case("json", "dtype", "text-coordinates", lambda f: json_file(f, customers=[["10", "0"], ["0", "20"], ["5", "5"]]),
@@ -405,12 +411,10 @@ PKL_CASES = [
     *byte_damages("pkl", paper_file, text=False, truncated=r"not a readable pickle data file .*truncated",
                   empty=r"not a readable pickle data file \(EOFError", random="not a readable pickle data file"),
     *non_finite_cases("pkl"),
-    Case("pkl", "shape", "demand-one-short", lambda f: paper_file(f, short("demand")),
-         (r"node coordinates \(1, 3, 2\) and demands \(1, 2\) do not match",)),
-    Case("pkl", "shape", "coords-of-3-columns", lambda f: paper_file(f, three_columns()),
-         (r"node coordinates \(1, 3, 3\) and demands \(1, 3\) do not match",)),
-    Case("pkl", "shape", "windows-one-short", lambda f: paper_file(f, short("windows")),
-         (r"time window starts of shape \(1, 2\), expected \(1, 3\)",)),
+    *spec_shape_cases("pkl", paper_file,
+                      demand_short=r"node coordinates \(1, 3, 2\) and demands \(1, 2\) do not match",
+                      coords_3_columns=r"node coordinates \(1, 3, 3\) and demands \(1, 3\) do not match",
+                      windows_short=r"time window starts of shape \(1, 2\), expected \(1, 3\)"),
     Case("pkl", "dtype", "booleans-as-demand", lambda f: paper_file(f, demand=[True, True, False]),
          ("booleans where the demands should be numbers",)),
     Case("pkl", "dtype", "text-coordinates",
