@@ -60,8 +60,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    device = (f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
-              f"{machine.cpu_model()})")
+    device = machine.jax_device()
     rows = []
     for label, batch, m, k, n in SHAPES:
         seconds, rate = gflops(batch, m, k, n, args.repeats)

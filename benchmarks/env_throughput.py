@@ -67,7 +67,7 @@ def main():
                    help="';'-separated variant specs, each one name or a comma list / ALL / TRAIN (mixed)")
     p.add_argument("--output", default="benchmarks/results/env_throughput.json")
     args = p.parse_args()
-    device = f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, {machine.cpu_model()})"
+    device = machine.jax_device()
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         for spec in args.variants.split(";"):

@@ -112,12 +112,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"size {n} has no defined capacity; choose from {sorted(instances.CAPACITY_BY_SIZE)}")
     budget = None if args.memory_budget_gib is None else int(args.memory_budget_gib * 2**30)
     cfg, params = checkpoints.load_policy(args.checkpoint)
-    report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
-                         f"{machine.cpu_model()})", "commit": machine.repository_commit(),
+    report = {"machine": machine.jax_device(), "commit": machine.repository_commit(),
               "date": datetime.date.today().isoformat(), "checkpoint": args.checkpoint,
               "num_instances": args.num_instances, "rows": []}
-    output = args.output or os.path.join(REPO, "benchmarks", "results",
-                                         f"large_instances_{datetime.date.today().isoformat()}.json")
+    output = args.output or machine.default_output("large_instances")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     for n in sizes:
         for i, variant in enumerate(variants):

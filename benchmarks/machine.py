@@ -18,6 +18,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def jax_device() -> str:
+    """JAX's first device with its backend, the core count and the CPU model, as the reports name the machine."""
+    import os
+
+    import jax
+
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, {cpu_model()})"
+
+
+def default_output(name: str) -> str:
+    """benchmarks/results/<name>_<today>.json, where a report goes unless told otherwise."""
+    import datetime
+    import os
+
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    return os.path.join(results, f"{name}_{datetime.date.today().isoformat()}.json")
+
+
 def write_report(report: dict, output: str, markdown_text: str) -> None:
     """``report`` as JSON at ``output`` and ``markdown_text`` beside it (``.md``), the markdown printed."""
     import json

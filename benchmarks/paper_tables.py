@@ -185,8 +185,6 @@ def markdown(report: dict) -> str:
 def run(models: list[str], paper_models: list[str | None], sections: list[str], data_dir: str,
         num_instances: int | None, execution: str = "auto") -> dict:
     """Evaluate every model on the sections; the JSON-ready report (see ``markdown``)."""
-    import jax
-
     from mvmoe_jax import cli
 
     unknown = set(sections) - set(SECTIONS)
@@ -194,8 +192,7 @@ def run(models: list[str], paper_models: list[str | None], sections: list[str], 
         raise ValueError(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     with open(os.path.join(data_dir, "paper_results.json")) as f:
         paper = json.load(f)["results"]
-    report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
-                         f"{machine.cpu_model()})",
+    report = {"machine": machine.jax_device(),
               "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(), "num_instances": num_instances,
               "data_dir": data_dir, "models": {}}
     for model, paper_model in zip(models, paper_models):
@@ -239,8 +236,7 @@ def main(argv=None) -> int:
     paper_models = [m or None for m in args.paper_models.split(",")] if args.paper_models else [None] * len(models)
     if len(paper_models) != len(models):
         p.error(f"--paper_models names {len(paper_models)} columns for {len(models)} models")
-    output = args.output or os.path.join(REPO, "benchmarks", "results",
-                                         f"paper_tables_{datetime.date.today().isoformat()}.json")
+    output = args.output or machine.default_output("paper_tables")
     try:
         report = run(models, paper_models, [s for s in args.sections.split(",") if s], args.data_dir,
                      args.num_instances, args.execution)

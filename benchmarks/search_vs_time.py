@@ -132,19 +132,15 @@ def main(argv=None) -> int:
                    "benchmarks/results/search_vs_time_<date>.json")
     args = p.parse_args(argv)
 
-    import jax
-
     from mvmoe_jax import checkpoints, io, problems
 
     limits = [float(t) for t in args.time_limits.split(",") if t]
     solvers = [s for s in args.solvers.split(",") if s]
     cfg, params = checkpoints.load_policy(args.checkpoint)
-    report = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}, {os.cpu_count()} cpus, "
-                         f"{machine.cpu_model()})", "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(),
+    report = {"machine": machine.jax_device(), "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(),
               "checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
               "variants": {}}
-    output = args.output or os.path.join(REPO, "benchmarks", "results",
-                                         f"search_vs_time_{datetime.date.today().isoformat()}.json")
+    output = args.output or machine.default_output("search_vs_time")
     stem = os.path.splitext(output)[0]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     for variant in [v.name for v in problems.parse_variants(args.variants)]:
