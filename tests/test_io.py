@@ -353,7 +353,10 @@ def test_read_every_solomon_file(paper):
         assert (meta.name, meta.num_vehicles, meta.capacity) == (path.stem, vehicles, capacity)
         assert problems.variant_from_flags(*np.asarray(inst.flags)[0]).name == "VRPTW"
         assert locs.min() >= 0 and locs.max() <= 1
-        assert abs((locs.max(0) - locs.min(0)).max() - 1) < 1e-6
+        # The reference implementation's factor: coordinates in the square, the depot closing by 3.
+        assert meta.offset == (0.0, 0.0) and meta.scale == pytest.approx(max(xy.max(), due[0] / 3), rel=1e-12)
+        assert float(inst.tw_end[0, 0]) <= 3 * (1 + 1e-6)
+        assert locs.max() == pytest.approx(1) or float(inst.tw_end[0, 0]) == pytest.approx(3)
         np.testing.assert_allclose(np.asarray(inst.demand)[0], demand / capacity, rtol=1e-6)
         np.testing.assert_allclose(pairwise(locs)[[0, 1, n]] * meta.scale, pairwise(xy)[[0, 1, n]],
                                    rtol=0, atol=1e-6 * meta.scale, err_msg=path.name)
@@ -378,12 +381,24 @@ def test_solomon_round_trips_feasible_under_env(paper):
 
 
 def test_read_solomon_tiny(tmp_path):
+    """The depot's due date (100) over 3 exceeds the largest coordinate (20), so it sets the factor."""
     inst, meta = read_solomon(write_solomon(tmp_path))
-    assert meta.scale == 20 and meta.num_vehicles == 3 and meta.capacity == 50
-    np.testing.assert_allclose(np.asarray(inst.tw_end)[0], [5, 2.5, 3, 4])
-    np.testing.assert_allclose(np.asarray(inst.tw_start)[0], [0, 0, 0.5, 0])
-    np.testing.assert_allclose(np.asarray(inst.service_time)[0], [0, 0.25, 0.25, 0.25])
+    assert meta.scale == pytest.approx(100 / 3) and meta.num_vehicles == 3 and meta.capacity == 50
+    np.testing.assert_allclose(np.asarray(inst.tw_end)[0], [3, 1.5, 1.8, 2.4], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(inst.tw_start)[0], [0, 0, 0.3, 0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(inst.service_time)[0], [0, 0.15, 0.15, 0.15], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(inst.locs)[0, 3], [0.6, 0.6], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(inst.demand)[0], [0, 0.2, 0.4, 0.1])
+
+
+def test_read_solomon_short_horizon_and_fixed_scale(tmp_path):
+    """With the depot due at 54 (< 3 x 20) the largest coordinate sets the factor; loc_scale overrides both."""
+    rows = [SOLOMON_ROWS[0].replace("100", "54")] + SOLOMON_ROWS[1:3] + ["3  20   0    5    0    50   5"]
+    inst, meta = read_solomon(write_solomon(tmp_path, rows=rows))
+    assert meta.scale == 20
+    np.testing.assert_allclose(np.asarray(inst.tw_end)[0], [2.7, 2.5, 3, 2.5], rtol=1e-6)
+    inst, meta = read_solomon(write_solomon(tmp_path, rows=rows), loc_scale=40)
+    assert meta.scale == 40 and float(inst.tw_end[0, 0]) == pytest.approx(54 / 40)
 
 
 def _replace_row(k, row):

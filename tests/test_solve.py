@@ -178,6 +178,31 @@ def test_every_format_reads_with_the_variant_its_data_shows(tmp_path):
         np.testing.assert_allclose(np.asarray(p.instance.demand), np.asarray(tw.demand), atol=1e-6)
 
 
+@pytest.mark.parametrize("close, limit, scale", [(45.0, None, 20.0), (300.0, None, 100.0), (None, 150.0, 50.0),
+                                                 (90.0, 240.0, 80.0)])
+def test_long_horizons_are_scaled_to_the_training_range(tmp_path, close, limit, scale):
+    """SQUARE spans 20 units; a depot closing time or route limit beyond 3 x 20 sets the factor instead, so that
+    the instance's horizon is no longer than the training data's (3), in VRPLIB and JSON files alike."""
+    tw = None if close is None else [[0, close], [0, close], [0, close], [0, close]]
+    vrp, vrp_meta = read_vrplib(write(tmp_path / "h.vrp", vrp_text(SQUARE, OK_DEMAND, tw=tw, limit=limit)))
+    obj = {"capacity": 30, "depot": SQUARE[0].tolist(), "customers": SQUARE[1:].tolist(), "demand": OK_DEMAND[1:]}
+    if close is not None:
+        obj.update(time_windows=[[0, close]] * 3, depot_close=close)
+    if limit is not None:
+        obj["route_limit"] = limit
+    write(tmp_path / "h.json", json.dumps(obj))
+    [problem], refused = inputs.read_inputs([tmp_path / "h.json"])
+    assert refused == []
+    for inst, got_scale in ((vrp, vrp_meta.scale), (problem.instance, problem.scale)):
+        assert got_scale == pytest.approx(scale)
+        np.testing.assert_allclose(np.asarray(inst.locs).reshape(-1, 2)[2], [0, 20 / scale], rtol=1e-6)
+        depot_close, route_limit = np.asarray(inst.tw_end).reshape(-1)[0], np.asarray(inst.route_limit).reshape(-1)[0]
+        if close is not None:
+            assert depot_close == pytest.approx(close / scale) and depot_close <= 3 + 1e-6
+        if limit is not None:
+            assert route_limit == pytest.approx(limit / scale) and route_limit <= 3 + 1e-6
+
+
 def test_pyvrp_reads_the_same_vrplib_file(tmp_path):
     pyvrp = pytest.importorskip("pyvrp")
     # PyVRP 0.12 keeps times and distances as integers: integer data compares exactly.

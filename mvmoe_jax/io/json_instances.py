@@ -114,9 +114,7 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
         raise ValueError(f"{where}: the demand of customer(s) {_customers(np.abs(demand) > capacity)} exceeds the "
                          f"capacity {capacity:g}; no vehicle could serve them")
     has_tw = "time_windows" in obj
-    kwargs = {}
-    coords = np.concatenate([depot[None], xy])
-    offset, scale = unit_square_transform(coords, source=where)
+    times, close, limit = {}, None, None
     if has_tw:
         tw = _array(obj["time_windows"], "a list of [earliest, latest]", where, "time_windows", 2)
         if tw.shape != (n, 2):
@@ -135,8 +133,7 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
                        else _array(raw, "a number or a list", where, "service_times", 1))
             if service.shape != (n,) or np.any(service < 0):
                 raise ValueError(f"{where}: 'service_times' must be one non-negative number or one per customer")
-        kwargs.update(service_time=service[None] / scale, tw_start=tw[None, :, 0] / scale,
-                      tw_end=tw[None, :, 1] / scale, depot_close=close / scale)
+        times = {"service_time": service[None], "tw_start": tw[None, :, 0], "tw_end": tw[None, :, 1]}
     elif "service_times" in obj or "depot_close" in obj:
         raise ValueError(f"{where}: 'service_times' and 'depot_close' need 'time_windows' (without them no clock "
                          "is kept)")
@@ -144,7 +141,6 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
         limit = _number(obj, "route_limit", where)
         if not limit > 0:
             raise ValueError(f"{where}: 'route_limit' must be positive, got {limit:g}")
-        kwargs["route_limit"] = limit / scale
     is_open = obj.get("open_routes", False)
     if not isinstance(is_open, bool):
         raise ValueError(f"{where}: 'open_routes' must be true or false, got {is_open!r}")
@@ -154,6 +150,13 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
         raise ValueError(f"{where}: 'name' must be a non-empty string")
 
     var = problems.variant_from_flags(is_open, bool(np.any(demand < 0)), "route_limit" in obj, has_tw)
+    coords = np.concatenate([depot[None], xy])
+    offset, scale = unit_square_transform(coords, source=where, depot_close=close, route_limit=limit)
+    kwargs = {key: value / scale for key, value in times.items()}
+    if close is not None:
+        kwargs["depot_close"] = close / scale
+    if limit is not None:
+        kwargs["route_limit"] = limit / scale
     unit = to_unit_square(coords, offset, scale)
     inst = from_arrays(unit[None, :1], unit[None, 1:], demand[None], capacity, variant=var, **kwargs)
     reasons = checker.unservable_reasons(jax.tree.map(lambda x: x[0], inst), scale=scale)

@@ -12,13 +12,14 @@ File layout (whitespace-separated, blank lines ignored, CRLF tolerated)::
         1      45         68         10        912        967         90
         ...
 
-``read_solomon`` returns a batch-of-one VRPTW ``Instance`` in the unit square. Coordinates are scaled as
-for CVRPLIB (``vrplib_io.unit_square_transform``) and every time value (ready time, due date, service
-time, the depot's due date) is divided by the same factor, so the environment's "travel time = distance"
-still holds and every feasibility decision is the same as in the original units. The depot's due date
-becomes the depot's closing time ``tw_end[0]``, which the environment uses in place of the generated
-data's 3. Time values therefore do not lie in the generated data's [0, 3] range (C1: depot closes at
-about 13, C2 at about 36, in unit-square units).
+``read_solomon`` returns a batch-of-one VRPTW ``Instance`` in the unit square, scaled by the reference
+implementation's rule: coordinates and every time value (ready time, due date, service time, the depot's
+due date) are divided by one factor, ``max(largest coordinate, depot due date / 3)``, with no offset. The
+environment's "travel time = distance" therefore still holds and every feasibility decision is the same as
+in the original units, while the depot's due date (its closing time ``tw_end[0]``) is at most 3, as in the
+generated training data. Type-2 instances, whose horizon is long, lie in a corner of the square instead
+(RC2: coordinates within [0, 0.32]); scaling them to the full square would put their horizon far beyond
+anything the policy was trained on (docs/results.md, "Solomon scaling").
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 from mvmoe_jax.checker import unreachable_customers
 from mvmoe_jax.instances import Instance, from_arrays
-from mvmoe_jax.io.vrplib_io import require_file, to_unit_square, unit_square_transform
+from mvmoe_jax.io.vrplib_io import horizon_scale, require_file, to_unit_square, unit_square_transform
 
 # Columns of the CUSTOMER table, in file order.
 COLUMNS = ("cust_no", "x", "y", "demand", "ready_time", "due_date", "service_time")
@@ -192,7 +193,7 @@ def read_solomon(path: str | os.PathLike, *, loc_scale: float | None = None) -> 
 
     Returns (Instance: locs (1, n+1, 2) in [0, 1]^2, demand (1, n+1) = raw / capacity, service_time /
     tw_start / tw_end (1, n+1) = raw times / scale with tw_end[:, 0] the depot's scaled due date, meta).
-    ``loc_scale`` as in ``vrplib_io.unit_square_transform``.
+    ``loc_scale`` fixes the factor instead (as in ``vrplib_io.unit_square_transform``).
 
     Raises ValueError (naming the file) for a missing file, missing VEHICLE / CUSTOMER sections, rows
     with a wrong column count or non-numeric fields, customer numbers out of sequence, a due date before
@@ -205,6 +206,8 @@ def read_solomon(path: str | os.PathLike, *, loc_scale: float | None = None) -> 
     _validate(raw, path)
 
     t = raw.table
+    if loc_scale is None:
+        loc_scale = max(float(t[:, 1:3].max()), horizon_scale(depot_close=t[0, 5]))
     offset, scale = unit_square_transform(t[:, 1:3], source=path, loc_scale=loc_scale)
     xy = to_unit_square(t[:, 1:3], offset, scale)
     # Times share the coordinates' factor (no offset: time 0 stays the start), so time = distance holds.

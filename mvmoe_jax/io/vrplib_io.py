@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from mvmoe_jax import checker, problems
-from mvmoe_jax.instances import Instance, from_arrays
+from mvmoe_jax.instances import DEPOT_CLOSE, ROUTE_LIMIT, Instance, from_arrays
 
 
 class DataFileNotFoundError(FileNotFoundError, ValueError):
@@ -58,13 +58,19 @@ def read_json(path: str) -> Any:
         raise ValueError(f"{path}: not a usable JSON file (nested too deeply to read)") from None
 
 
-def unit_square_transform(xy: np.ndarray, *, source: str,
-                          loc_scale: float | None = None) -> tuple[np.ndarray, float]:
+def unit_square_transform(xy: np.ndarray, *, source: str, loc_scale: float | None = None,
+                          depot_close: float | None = None,
+                          route_limit: float | None = None) -> tuple[np.ndarray, float]:
     """Offset and scale that map coordinates ``xy`` (N, 2) into [0, 1]^2 with distances scaled uniformly.
 
     Default (``loc_scale=None``): offset = the per-axis minimum over all nodes, scale = the largest
     extent over both axes, so the instance touches 0 and 1 along its longer axis. One factor for both
     axes keeps every distance proportional to the original one (``original = unit * scale``).
+
+    Times and route limits are divided by the same scale, so a ``depot_close`` or ``route_limit`` (file
+    units) raises the scale to at least ``depot_close / 3`` and ``route_limit / 3``: the horizon then
+    stays within the training data's (depot closing at 3, route limit 3), where the policy has learnt to
+    read times. A longer horizon leaves the nodes in a smaller corner of the square instead.
 
     ``loc_scale`` fixes the scale instead and uses offset (0, 0), i.e. ``xy / loc_scale`` (the reference
     implementation solves Set X with ``loc_scale=1000``); the coordinates must then already lie in
@@ -82,7 +88,16 @@ def unit_square_transform(xy: np.ndarray, *, source: str,
     scale = float((xy.max(axis=0) - offset).max())
     if not scale > 0:
         raise ValueError(f"{source}: all nodes share one location, so there is nothing to scale")
-    return offset, scale
+    return offset, max(scale, horizon_scale(depot_close, route_limit))
+
+
+def horizon_scale(depot_close: float | None = None, route_limit: float | None = None) -> float:
+    """The smallest scale that maps a depot closing time and a route limit (file units, None for absent)
+    to no more than the training data's: ``max(depot_close / DEPOT_CLOSE, route_limit / ROUTE_LIMIT)``,
+    0 without either."""
+    bounds = [value / bound for value, bound in ((depot_close, DEPOT_CLOSE), (route_limit, ROUTE_LIMIT))
+              if value is not None]
+    return float(max(bounds, default=0.0))
 
 
 def to_unit_square(xy: np.ndarray, offset: np.ndarray, scale: float) -> np.ndarray:
@@ -372,7 +387,9 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
                                       has_backhaul or (stated is not None and stated.backhaul),
                                       limit is not None, windows is not None)
 
-    offset, scale = unit_square_transform(coords, source=path, loc_scale=loc_scale)
+    offset, scale = unit_square_transform(coords, source=path, loc_scale=loc_scale,
+                                          depot_close=None if windows is None else windows[0, 1],
+                                          route_limit=limit)
     xy = to_unit_square(coords, offset, scale)
     signed = demand - (pickup if pickup is not None else 0.0)
     kwargs = {}
