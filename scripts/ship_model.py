@@ -30,12 +30,13 @@ from mvmoe_jax import checkpoints, shipped, training_validation  # noqa: E402  (
 CHECK = dict(seed=0, num_instances=4, num_customers=50, variants="ALL")
 
 
-def run_config(workdir: str) -> dict:
-    """The training config stored with the run's latest checkpoint (its ``train_meta``)."""
+def run_config(workdir: str) -> tuple[int, dict]:
+    """The run's latest checkpoint: its step (the epoch) and the training config stored with it."""
     with ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
                                item_handlers={"train_meta": ocp.JsonCheckpointHandler()}) as mngr:
-        meta = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(train_meta=ocp.args.JsonRestore()))
-    return meta["train_meta"]["config"]
+        step = mngr.latest_step()
+        meta = mngr.restore(step, args=ocp.args.Composite(train_meta=ocp.args.JsonRestore()))
+    return step, meta["train_meta"]["config"]
 
 
 def learning_curve(records: list[dict], instances_per_epoch: int) -> list[dict]:
@@ -77,9 +78,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfg, params = checkpoints.load_policy(args.workdir)
-    stored = run_config(args.workdir)
-    records = training_validation.read_metrics(os.path.join(args.workdir, "metrics.jsonl"))
-    last_epoch = max(r["epoch"] for r in records)
+    last_epoch, stored = run_config(args.workdir)
+    # Only the epochs up to the shipped checkpoint (a run may have gone on since it was saved).
+    records = [r for r in training_validation.read_metrics(os.path.join(args.workdir, "metrics.jsonl"))
+               if r["epoch"] <= last_epoch]
     instances = last_epoch * stored["train_episodes"]
     print(f"{args.name}: epoch {last_epoch}, {instances:,} instances; computing the card's check ...")
     check = shipped.check_objectives(cfg, params, **CHECK)
