@@ -114,7 +114,7 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
         raise ValueError(f"{where}: the demand of customer(s) {_customers(np.abs(demand) > capacity)} exceeds the "
                          f"capacity {capacity:g}; no vehicle could serve them")
     has_tw = "time_windows" in obj
-    times, close, limit = {}, None, None
+    in_file_units = {}   # times and the route limit, divided by the scale once it is known
     if has_tw:
         tw = _array(obj["time_windows"], "a list of [earliest, latest]", where, "time_windows", 2)
         if tw.shape != (n, 2):
@@ -133,7 +133,8 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
                        else _array(raw, "a number or a list", where, "service_times", 1))
             if service.shape != (n,) or np.any(service < 0):
                 raise ValueError(f"{where}: 'service_times' must be one non-negative number or one per customer")
-        times = {"service_time": service[None], "tw_start": tw[None, :, 0], "tw_end": tw[None, :, 1]}
+        in_file_units.update(service_time=service[None], tw_start=tw[None, :, 0], tw_end=tw[None, :, 1],
+                             depot_close=close)
     elif "service_times" in obj or "depot_close" in obj:
         raise ValueError(f"{where}: 'service_times' and 'depot_close' need 'time_windows' (without them no clock "
                          "is kept)")
@@ -141,6 +142,7 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
         limit = _number(obj, "route_limit", where)
         if not limit > 0:
             raise ValueError(f"{where}: 'route_limit' must be positive, got {limit:g}")
+        in_file_units["route_limit"] = limit
     is_open = obj.get("open_routes", False)
     if not isinstance(is_open, bool):
         raise ValueError(f"{where}: 'open_routes' must be true or false, got {is_open!r}")
@@ -151,12 +153,9 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
 
     var = problems.variant_from_flags(is_open, bool(np.any(demand < 0)), "route_limit" in obj, has_tw)
     coords = np.concatenate([depot[None], xy])
-    offset, scale = unit_square_transform(coords, source=where, depot_close=close, route_limit=limit)
-    kwargs = {key: value / scale for key, value in times.items()}
-    if close is not None:
-        kwargs["depot_close"] = close / scale
-    if limit is not None:
-        kwargs["route_limit"] = limit / scale
+    offset, scale = unit_square_transform(coords, source=where, depot_close=in_file_units.get("depot_close"),
+                                          route_limit=in_file_units.get("route_limit"))
+    kwargs = {key: value / scale for key, value in in_file_units.items()}
     unit = to_unit_square(coords, offset, scale)
     inst = from_arrays(unit[None, :1], unit[None, 1:], demand[None], capacity, variant=var, **kwargs)
     reasons = checker.unservable_reasons(jax.tree.map(lambda x: x[0], inst), scale=scale)
