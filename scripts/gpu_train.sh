@@ -8,9 +8,11 @@
 # CONFIG: a config file (configs/mvmoe.py). BUDGET_S: seconds for training and validation; the run ends
 # after the epoch past which another would overrun it. STATE_DIR: an exported run to continue, "-" for a
 # new one. OUT_DIR receives state/ (the exported run: meta.json and state_NN.npz files of at most 15 MiB),
-# metrics.jsonl and train_log.txt. Validation reads the paper's test sets from DATA_DIR when it holds
-# them (default ../shared/data/mvmoe-paper), else fixed generated sets. Python packages the machine lacks
-# can travel as wheels in .whl/ (benchmarks/gpu_prepare.sh downloads ml_collections), installed first:
+# metrics.jsonl and train_log.txt. Training is killed HARD_LIMIT_S seconds after it starts (default BUDGET_S +
+# 90), so that the export still runs when an epoch overruns the budget. Validation reads the paper's test
+# sets from DATA_DIR when it holds them (default ../shared/data/mvmoe-paper), else fixed generated sets.
+# Python packages the machine lacks can travel as wheels in .whl/ (benchmarks/gpu_prepare.sh downloads
+# ml_collections), installed first:
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
 #     PYTHONPATH=$PWD:/tmp/site bash scripts/gpu_train.sh configs/mvmoe.py 480 $OUT -
@@ -28,7 +30,7 @@ if [ "$state" != "-" ]; then
 fi
 export PYTHONUNBUFFERED=1
 status=0
-python3 train.py --config="$config" --config.workdir="$work" --config.time_limit_seconds="$budget" \
+timeout -k 10 "${HARD_LIMIT_S:-$((budget + 90))}" python3 train.py --config="$config" --config.workdir="$work" --config.time_limit_seconds="$budget" \
   --config.data_dir="${DATA_DIR:-../shared/data/mvmoe-paper}" --config.progress_bar=False "$@" \
   2>&1 | tee "$out/train_log.txt" || status=$?
 cp "$work/metrics.jsonl" "$out/" 2>/dev/null || true
