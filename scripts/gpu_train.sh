@@ -29,6 +29,9 @@ if [ "$state" != "-" ]; then
   python3 -m mvmoe_jax.portable_state import "$state" "$work"
 fi
 export PYTHONUNBUFFERED=1
+# Compiled programs persist on the machine, so a second call on the same machine skips the 80-100 s that
+# compiling takes on an H200 (docs/performance.md, "GPU: training the shipped n = 50 models").
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/mvmoe_jax_compilation_cache}
 status=0
 timeout -k 10 "${HARD_LIMIT_S:-$((budget + 90))}" python3 train.py --config="$config" --config.workdir="$work" --config.time_limit_seconds="$budget" \
   --config.data_dir="${DATA_DIR:-../shared/data/mvmoe-paper}" --config.progress_bar=False "$@" \
