@@ -10,7 +10,8 @@
 # new one. OUT_DIR receives state/ (the exported run: meta.json and state_NN.npz files of at most 15 MiB),
 # metrics.jsonl and train_log.txt. Training is killed HARD_LIMIT_S seconds after it starts (default BUDGET_S +
 # 90), so that the export still runs when an epoch overruns the budget. Validation reads the paper's test
-# sets from DATA_DIR when it holds them (default ../shared/data/mvmoe-paper), else fixed generated sets.
+# sets from DATA_DIR when it holds them (default ../shared/data/mvmoe-paper; scripts/copy_validation_sets.py
+# copies them into a folder to carry), else fixed generated sets.
 # Python packages the machine lacks can travel as wheels in .whl/ (benchmarks/gpu_prepare.sh downloads
 # ml_collections), installed first:
 #

@@ -1,11 +1,17 @@
-"""scripts/gpu_train.sh: a run under a wall-clock budget, exported as flat files and continued from them."""
+"""Training on a machine without ../shared: scripts/gpu_train.sh (a run under a wall-clock budget, exported as
+flat files and continued from them) and scripts/copy_validation_sets.py (the test sets that travel with it)."""
 
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 
+import numpy as np
 import pytest
+
+from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.training_validation import Validator
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SMALL_RUN = ["--config.train_episodes=64", "--config.validate_every_epochs=0"]
@@ -36,3 +42,29 @@ def test_a_budgeted_run_continues_from_its_exported_state(tmp_path):
     assert meta["train_meta"]["epoch"] == 2
     epochs = [json.loads(line)["epoch"] for line in (second / "metrics.jsonl").read_text().splitlines()]
     assert epochs == [1, 2]
+
+
+def _copy_script():
+    spec = importlib.util.spec_from_file_location("copy_validation_sets", REPO / "scripts" / "copy_validation_sets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_copied_validation_sets_are_what_validation_reads(paper_dir, tmp_path):
+    copied = _copy_script().copy_validation_sets(paper_dir, tmp_path / "data", 50, "TRAIN")
+    assert len(copied) == 2 * 6   # a test set and its reference solutions per training variant
+    kwargs = dict(variants="TRAIN", num_customers=50, pomo_size=50, num_instances=5, batch_size=5,
+                  augment=False, seed=0)
+    from_copy = Validator(PolicyConfig(), data_dir=str(tmp_path / "data"), **kwargs)
+    from_paper = Validator(PolicyConfig(), data_dir=str(paper_dir), **kwargs)
+    for name, (instances, reference, source) in from_copy.sets.items():
+        assert source.startswith(str(tmp_path)) and reference is not None, name
+        paper_instances, paper_reference, _ = from_paper.sets[name]
+        np.testing.assert_array_equal(reference, paper_reference)
+        np.testing.assert_array_equal(instances.locs, paper_instances.locs)
+
+
+def test_a_missing_test_set_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="OVRPTW at n = 50"):
+        _copy_script().copy_validation_sets(tmp_path, tmp_path / "data", 50, "OVRPTW")
