@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_train.sh CONFIG BUDGET_S OUT_DIR [STATE_DIR|-] [--config.FIELD=VALUE ...]
 #
-# CONFIG: a config file (configs/mvmoe.py). BUDGET_S: seconds for training and validation; the run ends
+# CONFIG: a config file (configs/mvmoe.py). BUDGET_S: whole seconds for training and validation; the run ends
 # after the epoch past which another would overrun it. STATE_DIR: an exported run to continue, "-" for a
 # new one. OUT_DIR receives state/ (the exported run: meta.json and state_NN.npz files of at most 15 MiB),
 # metrics.jsonl and train_log.txt. Training is killed HARD_LIMIT_S seconds after it starts (default BUDGET_S +
@@ -34,7 +34,8 @@ export PYTHONUNBUFFERED=1
 # compiling takes on an H200 (docs/performance.md, "GPU: training the shipped n = 50 models").
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/mvmoe_jax_compilation_cache}
 status=0
-timeout -k 10 "${HARD_LIMIT_S:-$((budget + 90))}" python3 train.py --config="$config" --config.workdir="$work" --config.time_limit_seconds="$budget" \
+timeout -k 10 "${HARD_LIMIT_S:-$((budget + 90))}" \
+  python3 train.py --config="$config" --config.workdir="$work" --config.time_limit_seconds="$budget" \
   --config.data_dir="${DATA_DIR:-../shared/data/mvmoe-paper}" --config.progress_bar=False "$@" \
   2>&1 | tee "$out/train_log.txt" || status=$?
 cp "$work/metrics.jsonl" "$out/" 2>/dev/null || true
