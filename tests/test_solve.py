@@ -366,18 +366,27 @@ def test_nothing_is_written_for_a_route_the_checker_refuses(tmp_path, shipped_sm
     assert entry["feasible"] is False and entry["files"] == {} and entry["routes"] is None
 
 
-def test_without_a_checkpoint_or_a_shipped_model_the_command_says_what_is_required(tmp_path):
+def test_without_a_checkpoint_the_command_uses_the_installed_shipped_model_or_says_what_is_required(tmp_path):
+    """The installation as a user has it: with models shipped, the closest in size solves; without, a clear error."""
     path = tmp_path / "one.json"
-    path.write_text(json.dumps({"capacity": 5, "depot": [0, 0], "customers": [[3, 4]], "demand": [1]}))
+    path.write_text(json.dumps({"capacity": 5, "depot": [0, 0], "customers": [[3, 4], [6, 8]], "demand": [1, 2]}))
     env = dict(os.environ, MVMOE_JAX_HUGE_PAGES="0")
-    res = subprocess.run([sys.executable, "-m", "mvmoe_jax.solve", str(path), f"--output={tmp_path / 'out'}"],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-    if shipped.names():
-        pytest.skip("models ship with this installation")
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.strip().splitlines() == [
-        "error: --checkpoint is required: no models ship with this installation yet (shipped models: none); give an "
-        "orbax checkpoint, a training workdir or an original .pt file"]
+    res = subprocess.run([sys.executable, "-m", "mvmoe_jax.solve", str(path), f"--output={tmp_path / 'out'}",
+                          "--no_progress"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not shipped.names():
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.strip().splitlines() == [
+            "error: --checkpoint is required: no models ship with this installation yet (shipped models: none); "
+            "give an orbax checkpoint, a training workdir or an original .pt file"]
+        return
+    assert res.returncode == 0, res.stderr
+    assert f"n = 2: model {models.closest_shipped(2)}" in res.stdout
+    (entry,) = json.loads((tmp_path / "out" / "summary.json").read_text())["instances"]
+    assert entry["feasible"] and sorted(c for r in entry["routes"] for c in r) == [1, 2]
+    # The cost in the file's units, recomputed from the coordinates (closed routes: back to the depot).
+    points = {0: (0, 0), 1: (3, 4), 2: (6, 8)}
+    cost = sum(math.dist(points[a], points[b]) for r in entry["routes"] for a, b in zip([0, *r], [*r, 0]))
+    assert entry["cost"] == pytest.approx(cost, rel=1e-5)
 
 
 def test_while_no_model_ships_the_checkpoint_is_required(tmp_path, monkeypatch, capsys):
