@@ -10,7 +10,10 @@ per instance as the paper does. Compilation is excluded from the policy's second
 
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --num_instances=100 --time_limits=0.5,2,8
 
-JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``.
+JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``, the
+JSON after every variant. Each variant is measured in one go on one machine, and its entry names the machine
+and commit; ``--resume`` continues the report at ``--output``, measuring only the variants it lacks (the run's
+settings must be the report's).
 """
 
 from __future__ import annotations
@@ -86,12 +89,21 @@ def baseline_rows(batch, variant: str, reference: np.ndarray, time_limits, worke
     return rows
 
 
+# What a resumed run must share with the report it continues.
+SETTINGS = ("checkpoint", "num_instances", "time_limits", "solvers", "workers", "seed")
+
+
 def markdown(report: dict) -> str:
-    lines = [f"Machine: {report['machine']}; commit {report['commit']}; {report['date']}; model "
-             f"{report['checkpoint']}; first {report['num_instances']} instances of each n = 50 set.", "",
-             "| variant | method | time limit (s/inst) | gap % | s/inst | feasible |", "|---|---|---|---|---|---|"]
-    for variant, rows in report["variants"].items():
-        for r in rows:
+    lines = [f"Model {report['checkpoint']}; first {report['num_instances']} instances of each n = 50 set; "
+             f"reference solvers in {report['workers']} processes.", ""]
+    measured = {(e["machine"], e["commit"], e["date"]) for e in report["variants"].values()}
+    for machine_name, commit, date in sorted(measured):
+        names = [v for v, e in report["variants"].items() if (e["machine"], e["commit"], e["date"]) ==
+                 (machine_name, commit, date)]
+        lines.append(f"- {', '.join(names)}: {machine_name}; commit {commit}; {date}")
+    lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | feasible |", "|---|---|---|---|---|---|"]
+    for variant, entry in report["variants"].items():
+        for r in entry["rows"]:
             limit = "-" if r["time_limit"] is None else f"{r['time_limit']:g}"
             lines.append(f"| {variant} | {r['method']} | {limit} | {r['gap']:.2f} | {r['seconds_per_instance']:.2f} "
                          f"| {r['feasible']}/{r['instances']} |")
@@ -107,7 +119,7 @@ def plot(report: dict, path: str) -> str:
     variants = list(report["variants"])
     fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.6), squeeze=False)
     for ax, variant in zip(axes[0], variants):
-        rows = report["variants"][variant]
+        rows = report["variants"][variant]["rows"]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["seconds_per_instance"], r["gap"]) for r in rows if r["method"] == method)
             ax.plot(*zip(*pts), marker="o", label=method)
@@ -116,6 +128,20 @@ def plot(report: dict, path: str) -> str:
         ax.set_xlabel("seconds per instance")
     axes[0][0].set_ylabel("gap to the paper's reference (%)")
     return save_figure(fig, axes[0], path)
+
+
+def resumed_report(output: str, settings: dict) -> dict:
+    """The report at ``output`` to continue; SystemExit when there is none or it was made with other settings."""
+    try:
+        with open(output) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"--resume: no report to continue at {output} ({e})") from None
+    differ = [f"{k}: report {report.get(k)!r}, now {settings[k]!r}" for k in SETTINGS if report.get(k) != settings[k]]
+    if differ:
+        raise SystemExit(f"--resume: {output} was measured with other settings ({'; '.join(differ)})")
+    print(f"resuming {output}: {', '.join(report['variants']) or 'no variant'} measured already", flush=True)
+    return report
 
 
 def main(argv=None) -> int:
@@ -130,28 +156,35 @@ def main(argv=None) -> int:
     p.add_argument("--data_dir", default=DEFAULT_DATA)
     p.add_argument("--output", default=None, help="JSON path (markdown and PNG beside it); default "
                    "benchmarks/results/search_vs_time_<date>.json")
+    p.add_argument("--resume", action="store_true", help="continue the report at --output: only its missing "
+                   "variants are measured")
     args = p.parse_args(argv)
 
     from mvmoe_jax import checkpoints, io, problems
 
-    limits = [float(t) for t in args.time_limits.split(",") if t]
-    solvers = [s for s in args.solvers.split(",") if s]
-    cfg, params = checkpoints.load_policy(args.checkpoint)
-    report = {"machine": machine.jax_device(), "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(),
-              "checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
-              "variants": {}}
+    settings = {"checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
+                "time_limits": [float(t) for t in args.time_limits.split(",") if t],
+                "solvers": [s for s in args.solvers.split(",") if s], "seed": args.seed}
     output = args.output or machine.default_output("search_vs_time")
     stem = os.path.splitext(output)[0]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    for variant in [v.name for v in problems.parse_variants(args.variants)]:
+    report = {**settings, "variants": {}}
+    if args.resume:
+        report = resumed_report(output, settings)
+    variants = [v.name for v in problems.parse_variants(args.variants)]
+    todo = [v for v in variants if v not in report["variants"]]
+    if todo:
+        cfg, params = checkpoints.load_policy(args.checkpoint)
+    for variant in todo:
         print(variant, flush=True)
         batch = io.load_paper_instances(io.dataset_path(args.data_dir, variant, 50), variant,
                                         num_instances=args.num_instances)
         reference, _ = io.load_paper_solutions(io.reference_solution_path(args.data_dir, variant, 50),
                                                num_instances=args.num_instances)
-        rows = policy_rows(cfg, params, batch, reference, limits, args.seed)
-        rows += baseline_rows(batch, variant, reference, limits, args.workers, solvers)
-        report["variants"][variant] = rows
+        rows = policy_rows(cfg, params, batch, reference, settings["time_limits"], args.seed)
+        rows += baseline_rows(batch, variant, reference, settings["time_limits"], args.workers, settings["solvers"])
+        report["variants"][variant] = {"machine": machine.jax_device(), "commit": machine.repository_commit(),
+                                       "date": datetime.date.today().isoformat(), "rows": rows}
         with open(output, "w") as f:          # after every variant, so that a partial run keeps what it did
             json.dump(report, f, indent=1)
     report["plot"] = plot(report, stem + ".png")

@@ -393,3 +393,51 @@ def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
     assert "| 200 | OVRPBLTW | 20 of 200 POMO starts" in (tmp_path / "large.md").read_text()
     with pytest.raises(SystemExit, match="size 300 has no defined capacity"):
         large.main([f"--checkpoint={ckpt}", "--sizes=300", f"--output={out}"])
+
+
+def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(tmp_path, monkeypatch):
+    """benchmarks/search_vs_time.py: every variant's rows saved with the machine that measured them; --resume
+    measures only what the report lacks and refuses a report made with other settings. The methods themselves
+    are replaced by recorders here (sampling and EAS are tested in test_solve.py and test_eas.py)."""
+    from conftest import require_shared
+    from mvmoe_jax import checkpoints
+
+    data_dir = require_shared("data", "mvmoe-paper")
+    svt = _benchmarks_module("search_vs_time")
+    measured = []
+
+    def policy_rows(cfg, params, batch, reference, time_limits, seed):
+        measured.append(("policy", len(reference), tuple(time_limits)))
+        costs = np.asarray(reference) * 1.1
+        return [svt._row("greedy x8", None, costs, reference, 1.0, len(costs))]
+
+    def baseline_rows(batch, variant, reference, time_limits, workers, solvers):
+        measured.append(("baselines", variant, tuple(solvers)))
+        return [svt._row("ortools", t, np.asarray(reference), reference, 2.0, len(reference)) for t in time_limits]
+
+    monkeypatch.setattr(svt, "policy_rows", policy_rows)
+    monkeypatch.setattr(svt, "baseline_rows", baseline_rows)
+    monkeypatch.setattr(checkpoints, "load_policy", lambda name: (None, None))
+    out = tmp_path / "svt.json"
+    common = ["--checkpoint=m", "--num_instances=3", "--time_limits=0.5,2", "--solvers=ortools", "--workers=2",
+              f"--data_dir={data_dir}", f"--output={out}"]
+    svt.main(common + ["--variants=CVRP"])
+    assert measured == [("policy", 3, (0.5, 2.0)), ("baselines", "CVRP", ("ortools",))]
+    first = json.loads(out.read_text())["variants"]["CVRP"]
+    assert first["machine"] and first["commit"] and [r["method"] for r in first["rows"]] == ["greedy x8", "ortools",
+                                                                                          "ortools"]
+    assert first["rows"][0]["gap"] == pytest.approx(10.0, rel=1e-6) and first["rows"][1]["gap"] == pytest.approx(0.0)
+
+    measured.clear()
+    svt.main(common + ["--variants=CVRP,VRPBL", "--resume"])
+    assert measured == [("policy", 3, (0.5, 2.0)), ("baselines", "VRPBL", ("ortools",))]
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["CVRP", "VRPBL"] and report["variants"]["CVRP"] == first
+    text = (tmp_path / "svt.md").read_text()
+    assert "- CVRP, VRPBL: " in text and "| VRPBL | ortools | 2 | 0.00 | 0.67 | 3/3 |" in text
+    assert (tmp_path / "svt.png").read_bytes()[:4] == b"\x89PNG"
+
+    with pytest.raises(SystemExit, match=r"other settings \(num_instances: report 3, now 4\)"):
+        svt.main([a if not a.startswith("--num_instances") else "--num_instances=4" for a in common] + ["--resume"])
+    with pytest.raises(SystemExit, match="no report to continue"):
+        svt.main(common[:-1] + [f"--output={tmp_path / 'none.json'}", "--resume"])
