@@ -182,9 +182,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(models: list[str], paper_models: list[str | None], sections: list[str], data_dir: str,
+def parse_models(text: str) -> list[tuple[str, str]]:
+    """``--models``: a comma list of checkpoints, each a shipped name or a path, optionally labelled
+    ``LABEL=CHECKPOINT``; (label, checkpoint) pairs, the checkpoint its own label when none is given."""
+    pairs = []
+    for item in (m for m in text.split(",") if m):
+        label, _, checkpoint = item.rpartition("=")
+        pairs.append((label or checkpoint, checkpoint))
+    labels = [label for label, _ in pairs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--models: a label appears twice in {labels}")
+    return pairs
+
+
+def run(models: list[tuple[str, str]], paper_models: list[str | None], sections: list[str], data_dir: str,
         num_instances: int | None, execution: str = "auto") -> dict:
-    """Evaluate every model on the sections; the JSON-ready report (see ``markdown``)."""
+    """Evaluate every (label, checkpoint) of ``models`` on the sections; the JSON-ready report (see ``markdown``)."""
     from mvmoe_jax import cli
 
     unknown = set(sections) - set(SECTIONS)
@@ -195,8 +208,8 @@ def run(models: list[str], paper_models: list[str | None], sections: list[str], 
     report = {"machine": machine.jax_device(),
               "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(), "num_instances": num_instances,
               "data_dir": data_dir, "models": {}}
-    for model, paper_model in zip(models, paper_models):
-        entry = report["models"][model] = {"paper_model": paper_model}
+    for (label, model), paper_model in zip(models, paper_models):
+        entry = report["models"][label] = {"checkpoint": model, "paper_model": paper_model}
         for size in (50, 100):
             if f"n{size}" in sections:
                 res = cli.run_evaluation(None, _flags(checkpoint=model, data_dir=data_dir, size=size,
@@ -219,7 +232,8 @@ def run(models: list[str], paper_models: list[str | None], sections: list[str], 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", required=True, help="comma list: shipped names or checkpoint paths")
+    p.add_argument("--models", required=True,
+                   help="comma list: shipped names or checkpoint paths, each optionally LABEL=CHECKPOINT")
     p.add_argument("--paper_models", default="",
                    help="comma list, one per model: its column in the paper's tables (e.g. MVMoE/4E,POMO-MTL)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
@@ -232,7 +246,10 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=None, help="JSON path (markdown and PNG beside it); default "
                    "benchmarks/results/paper_tables_<date>.json")
     args = p.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
+    try:
+        models = parse_models(args.models)
+    except ValueError as e:
+        p.error(str(e))
     paper_models = [m or None for m in args.paper_models.split(",")] if args.paper_models else [None] * len(models)
     if len(paper_models) != len(models):
         p.error(f"--paper_models names {len(paper_models)} columns for {len(models)} models")

@@ -374,6 +374,10 @@ def test_paper_tables_group_and_format_the_evaluations(tmp_path):
     text = tables.markdown(report)
     assert "| CVRP | 2.00 (0.90) |" in text and "| mean, trained | 3.00 (-) |" in text
     assert "| 100 <= n < 200 | 2 | 3.00 | 2.00 |" in text and "Solomon" not in text
+    assert tables.parse_models("mvmoe_4e_n50,ours=runs/a,runs/b") == [
+        ("mvmoe_4e_n50", "mvmoe_4e_n50"), ("ours", "runs/a"), ("runs/b", "runs/b")]
+    with pytest.raises(ValueError, match="a label appears twice"):
+        tables.parse_models("m=runs/a,m=runs/b")
 
 
 def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
