@@ -135,8 +135,9 @@ def plot_curves(curves: dict[str, list[dict]], path: str) -> str:
         x = [p["instances"] if p["instances"] is not None else p["epoch"] for p in points]
         for group, style in (("trained", "-"), ("unseen", "--")):
             ax.plot(x, [p[group] for p in points], style, marker=".", label=f"{name} ({group} variants)")
+    # Log scale: the untrained model's gaps (about 200 %) would otherwise flatten the curves' tails.
     ax.set(xlabel="training instances", ylabel="mean validation gap % (greedy, no augmentation)",
-           title="learning curves, n = 50")
+           title="learning curves, n = 50", yscale="log")
     return save_figure(fig, [ax], path)
 
 
