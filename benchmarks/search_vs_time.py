@@ -96,10 +96,10 @@ SETTINGS = ("checkpoint", "num_instances", "time_limits", "solvers", "workers", 
 def markdown(report: dict) -> str:
     lines = [f"Model {report['checkpoint']}; first {report['num_instances']} instances of each n = 50 set; "
              f"reference solvers in {report['workers']} processes.", ""]
-    measured = {(e["machine"], e["commit"], e["date"]) for e in report["variants"].values()}
-    for machine_name, commit, date in sorted(measured):
-        names = [v for v, e in report["variants"].items() if (e["machine"], e["commit"], e["date"]) ==
-                 (machine_name, commit, date)]
+    variants_by_run = {}
+    for variant, entry in report["variants"].items():
+        variants_by_run.setdefault((entry["machine"], entry["commit"], entry["date"]), []).append(variant)
+    for (machine_name, commit, date), names in sorted(variants_by_run.items()):
         lines.append(f"- {', '.join(names)}: {machine_name}; commit {commit}; {date}")
     lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | feasible |", "|---|---|---|---|---|---|"]
     for variant, entry in report["variants"].items():
