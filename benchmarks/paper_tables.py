@@ -12,7 +12,8 @@ augmentation, as the paper evaluates:
 * ``--curves NAME=metrics.jsonl,...``: the learning curves (mean validation gap over the trained and the
   unseen variants against training instances) from the training runs' metrics, as a PNG.
 
-Every table records the machine, the evaluation seconds and the commit.
+Every table records the machine, the evaluation seconds and the commit. The JSON holds the tables only;
+``--per_instance`` adds every instance's evaluation output (about 850 KB for one model on the n = 50 sets).
 
     python benchmarks/paper_tables.py --models=mvmoe_4e_n50,pomo_mtl_n50 \\
         --paper_models="MVMoE/4E,POMO-MTL" --sections=n50,n100,setx,solomon
@@ -197,8 +198,9 @@ def parse_models(text: str) -> list[tuple[str, str]]:
 
 
 def run(models: list[tuple[str, str]], paper_models: list[str | None], sections: list[str], data_dir: str,
-        num_instances: int | None, execution: str = "auto") -> dict:
-    """Evaluate every (label, checkpoint) of ``models`` on the sections; the JSON-ready report (see ``markdown``)."""
+        num_instances: int | None, execution: str = "auto", per_instance: bool = False) -> dict:
+    """Evaluate every (label, checkpoint) of ``models`` on the sections; the JSON-ready report (see ``markdown``),
+    each section with the evaluation's per-instance outputs under ``"results"`` when ``per_instance``."""
     from mvmoe_jax import cli
 
     unknown = set(sections) - set(SECTIONS)
@@ -206,6 +208,10 @@ def run(models: list[tuple[str, str]], paper_models: list[str | None], sections:
         raise ValueError(f"unknown sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     with open(os.path.join(data_dir, "paper_results.json")) as f:
         paper = json.load(f)["results"]
+
+    def kept(outputs: dict) -> dict:
+        return {"results": outputs} if per_instance else {}
+
     report = {"machine": machine.jax_device(),
               "commit": machine.repository_commit(), "date": datetime.date.today().isoformat(), "num_instances": num_instances,
               "data_dir": data_dir, "models": {}}
@@ -216,18 +222,18 @@ def run(models: list[tuple[str, str]], paper_models: list[str | None], sections:
                 res = cli.run_evaluation(None, _flags(checkpoint=model, data_dir=data_dir, size=size,
                                                       num_instances=num_instances, execution=execution))
                 rows = dataset_rows(res, paper, paper_model, size)
-                entry[f"n{size}"] = {"rows": rows, "means": group_means(rows), "results": res}
+                entry[f"n{size}"] = {"rows": rows, "means": group_means(rows), **kept(res)}
         if "setx" in sections:
             res = cli.run_evaluation(None, _flags(checkpoint=model, vrplib_dir=os.path.join(data_dir, "CVRP-LIB"),
                                                   bks=os.path.join(data_dir, "BKS.json"), num_instances=num_instances,
                                                   execution=execution))
-            entry["setx"] = {"rows": setx_groups(res), "results": res}
+            entry["setx"] = {"rows": setx_groups(res), **kept(res)}
         if "solomon" in sections:
             res = cli.run_evaluation(None, _flags(checkpoint=model,
                                                   vrplib_dir=os.path.join(data_dir, "Vrp-Set-Solomon"),
                                                   bks=os.path.join(data_dir, "BKS.json"), num_instances=num_instances,
                                                   execution=execution))
-            entry["solomon"] = {"rows": solomon_classes(res), "results": res}
+            entry["solomon"] = {"rows": solomon_classes(res), **kept(res)}
     return report
 
 
@@ -241,6 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--data_dir", default=DEFAULT_DATA)
     p.add_argument("--num_instances", type=int, default=None, help="first K instances of each set (default all)")
     p.add_argument("--execution", default="auto", help="execution plan preset")
+    p.add_argument("--per_instance", action="store_true",
+                   help="keep every instance's evaluation output in the JSON (left out by default)")
     p.add_argument("--curves", default="", help="NAME=metrics.jsonl,... learning curves to plot")
     p.add_argument("--instances_per_epoch", type=int, default=20000,
                    help="training instances per epoch, for metrics without an instance count")
@@ -257,7 +265,7 @@ def main(argv=None) -> int:
     output = args.output or machine.default_output("paper_tables")
     try:
         report = run(models, paper_models, [s for s in args.sections.split(",") if s], args.data_dir,
-                     args.num_instances, args.execution)
+                     args.num_instances, args.execution, args.per_instance)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -380,6 +380,25 @@ def test_paper_tables_group_and_format_the_evaluations(tmp_path):
         tables.parse_models("m=runs/a,m=runs/b")
 
 
+def test_paper_tables_keep_per_instance_outputs_only_when_asked(tmp_path, monkeypatch):
+    """benchmarks/paper_tables.py run(): the report holds the tables; the evaluation's per-instance outputs are
+    added under each section only with per_instance. The evaluation itself is replaced by a recorder here."""
+    from mvmoe_jax import cli
+
+    tables = _benchmarks_module("paper_tables")
+    (tmp_path / "paper_results.json").write_text(json.dumps(
+        {"results": {"CVRP": {"MVMoE/4E": {"n50": {"gap": "0.896"}}}}}))
+    outputs = {"CVRP": {"mean": 10.5, "gap": 2.0, "seconds": 3.0, "objectives": [10.0, 11.0]}}
+    calls = []
+    monkeypatch.setattr(cli, "run_evaluation", lambda _, flags: calls.append(flags.checkpoint) or outputs)
+    args = ([("m", "runs/m")], ["MVMoE/4E"], ["n50"], str(tmp_path), 2)
+    lean = tables.run(*args)["models"]["m"]["n50"]
+    full = tables.run(*args, per_instance=True)["models"]["m"]["n50"]
+    assert calls == ["runs/m", "runs/m"]
+    assert "results" not in lean and full["results"] == outputs
+    assert lean["rows"] == full["rows"] and lean["rows"][0]["gap"] == pytest.approx(2.0)
+
+
 def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
     """benchmarks/large_instances.py on one generated n = 200 instance with at most 20 starts: the plan within
     its budget, the checker agreeing with every cost, the report written; a size without a capacity refused."""
