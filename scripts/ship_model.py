@@ -52,25 +52,36 @@ def wall_seconds(records: list[dict]) -> float:
                      for r in records))
 
 
-def results_table(path: str, checkpoint_label: str) -> dict:
-    """The paper_tables report at ``path`` for the one model in it, without the per-instance outputs."""
-    with open(path) as f:
-        report = json.load(f)
-    models = report.get("models", {})
-    if len(models) != 1:
-        raise ValueError(f"{path}: expected a report of one model ({checkpoint_label}), found {len(models)}")
-    (entry,) = models.values()
-    sections = {k: {kk: vv for kk, vv in v.items() if kk != "results"} if isinstance(v, dict) else v
-                for k, v in entry.items()}
-    return {"machine": report.get("machine"), "commit": report.get("commit"), "date": report.get("date"),
-            "num_instances": report.get("num_instances"), **sections}
+def results_table(paths: list[str], checkpoint_label: str) -> dict:
+    """The paper_tables reports at ``paths`` for the one model in each, merged, without per-instance outputs.
+
+    Each section (``n50``, ``setx``, ...) carries the machine, commit and date of the report that measured it."""
+    table = {}
+    for path in paths:
+        with open(path) as f:
+            report = json.load(f)
+        models = report.get("models", {})
+        if len(models) != 1:
+            raise ValueError(f"{path}: expected a report of one model ({checkpoint_label}), found {len(models)}")
+        (entry,) = models.values()
+        measured = {"machine": report.get("machine"), "commit": report.get("commit"), "date": report.get("date"),
+                    "num_instances": report.get("num_instances")}
+        for key, value in entry.items():
+            if not isinstance(value, dict):
+                table[key] = value
+                continue
+            if key in table:
+                raise ValueError(f"{path}: section {key!r} is in two of the reports")
+            table[key] = {**{k: v for k, v in value.items() if k != "results"}, **measured}
+    return table
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", required=True, help="the training run's workdir (checkpoints/ and metrics.jsonl)")
     p.add_argument("--name", required=True, help="the shipped name, e.g. mvmoe_4e_n50")
-    p.add_argument("--results", required=True, help="benchmarks/paper_tables.py JSON report of this checkpoint")
+    p.add_argument("--results", required=True,
+                   help="comma list of benchmarks/paper_tables.py JSON reports of this checkpoint (their sections merged)")
     p.add_argument("--command", required=True, help="the command that trained it")
     p.add_argument("--commit", required=True, help="the commit of the code that trained it")
     p.add_argument("--hardware", required=True, help="what it was trained on")
@@ -87,7 +98,7 @@ def main(argv=None) -> int:
     check = shipped.check_objectives(cfg, params, **CHECK)
     card = {"command": args.command, "commit": args.commit, "config": stored, "epochs": last_epoch,
             "instances": instances, "hardware": args.hardware, "wall_seconds": round(wall_seconds(records), 1),
-            "results": results_table(args.results, args.workdir),
+            "results": results_table(args.results.split(","), args.workdir),
             "learning_curve": learning_curve(records, stored["train_episodes"]),
             "check": {**CHECK, "objectives": check}}
     folder = shipped.export(pathlib.Path(args.out_root) / args.name, params, cfg, card)

@@ -113,3 +113,32 @@ def test_every_shipped_model_loads_and_reproduces_its_card(name):
     again = shipped.check_objectives(cfg, params, **{k: check[k] for k in CHECK})
     for var, objs in check["objectives"].items():
         np.testing.assert_allclose(again[var], objs, rtol=1e-5, err_msg=f"{name} {var}")
+
+
+def test_the_cards_results_merge_reports_by_section_without_per_instance_outputs(tmp_path):
+    """scripts/ship_model.py: the card's table merges paper_tables reports (n50 from one, setx from another),
+    each section with the machine and commit that measured it; per-instance outputs and a section measured
+    twice are refused into the card."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "ship_model", pathlib.Path(__file__).resolve().parent.parent / "scripts" / "ship_model.py")
+    ship_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship_model)
+
+    def report(name, commit, sections):
+        path = tmp_path / name
+        path.write_text(json.dumps({"machine": "m", "commit": commit, "date": "d", "num_instances": None,
+                                    "models": {"mvmoe_4e_n50": {"checkpoint": "runs/b", **sections}}}))
+        return str(path)
+
+    n50 = report("a.json", "c1", {"n50": {"rows": [{"variant": "CVRP", "gap": 2.4}], "results": {"CVRP": [1.0]}}})
+    setx = report("b.json", "c2", {"setx": {"rows": [{"group": "100 <= n < 200", "gap": 10.9}]}})
+    table = ship_model.results_table([n50, setx], "runs/b")
+    assert table["checkpoint"] == "runs/b"
+    assert table["n50"] == {"rows": [{"variant": "CVRP", "gap": 2.4}], "machine": "m", "commit": "c1", "date": "d",
+                            "num_instances": None}
+    assert table["setx"]["commit"] == "c2" and table["setx"]["rows"][0]["gap"] == 10.9
+    with pytest.raises(ValueError, match="section 'n50' is in two of the reports"):
+        ship_model.results_table([n50, n50], "runs/b")
