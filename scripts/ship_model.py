@@ -55,7 +55,8 @@ def wall_seconds(records: list[dict]) -> float:
 def results_table(paths: list[str], checkpoint_label: str) -> dict:
     """The paper_tables reports at ``paths`` for the one model in each, merged, without per-instance outputs.
 
-    Each section (``n50``, ``setx``, ...) carries the machine, commit and date of the report that measured it."""
+    Each section (``n50``, ``setx``, ...) carries the checkpoint evaluated (a path or the shipped name) and the
+    machine, commit and date of the report that measured it; the other fields (``paper_model``) must agree."""
     table = {}
     for path in paths:
         with open(path) as f:
@@ -64,10 +65,15 @@ def results_table(paths: list[str], checkpoint_label: str) -> dict:
         if len(models) != 1:
             raise ValueError(f"{path}: expected a report of one model ({checkpoint_label}), found {len(models)}")
         (entry,) = models.values()
-        measured = {"machine": report.get("machine"), "commit": report.get("commit"), "date": report.get("date"),
+        measured = {"checkpoint": entry.get("checkpoint"), "machine": report.get("machine"),
+                    "commit": report.get("commit"), "date": report.get("date"),
                     "num_instances": report.get("num_instances")}
         for key, value in entry.items():
+            if key == "checkpoint":
+                continue
             if not isinstance(value, dict):
+                if table.get(key, value) != value:
+                    raise ValueError(f"{path}: {key} is {value!r}, another report has {table[key]!r}")
                 table[key] = value
                 continue
             if key in table:

@@ -127,18 +127,23 @@ def test_the_cards_results_merge_reports_by_section_without_per_instance_outputs
     ship_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship_model)
 
-    def report(name, commit, sections):
+    def report(name, commit, entry):
         path = tmp_path / name
         path.write_text(json.dumps({"machine": "m", "commit": commit, "date": "d", "num_instances": None,
-                                    "models": {"mvmoe_4e_n50": {"checkpoint": "runs/b", **sections}}}))
+                                    "models": {"mvmoe_4e_n50": entry}}))
         return str(path)
 
-    n50 = report("a.json", "c1", {"n50": {"rows": [{"variant": "CVRP", "gap": 2.4}], "results": {"CVRP": [1.0]}}})
-    setx = report("b.json", "c2", {"setx": {"rows": [{"group": "100 <= n < 200", "gap": 10.9}]}})
+    n50 = report("a.json", "c1", {"checkpoint": "runs/b", "paper_model": "MVMoE/4E",
+                                  "n50": {"rows": [{"variant": "CVRP", "gap": 2.4}], "results": {"CVRP": [1.0]}}})
+    setx = report("b.json", "c2", {"checkpoint": "mvmoe_4e_n50", "paper_model": "MVMoE/4E",
+                                   "setx": {"rows": [{"group": "100 <= n < 200", "gap": 10.9}]}})
     table = ship_model.results_table([n50, setx], "runs/b")
-    assert table["checkpoint"] == "runs/b"
-    assert table["n50"] == {"rows": [{"variant": "CVRP", "gap": 2.4}], "machine": "m", "commit": "c1", "date": "d",
-                            "num_instances": None}
-    assert table["setx"]["commit"] == "c2" and table["setx"]["rows"][0]["gap"] == 10.9
+    assert table["paper_model"] == "MVMoE/4E" and "checkpoint" not in table
+    assert table["n50"] == {"rows": [{"variant": "CVRP", "gap": 2.4}], "checkpoint": "runs/b", "machine": "m",
+                            "commit": "c1", "date": "d", "num_instances": None}
+    assert table["setx"]["commit"] == "c2" and table["setx"]["checkpoint"] == "mvmoe_4e_n50"
     with pytest.raises(ValueError, match="section 'n50' is in two of the reports"):
         ship_model.results_table([n50, n50], "runs/b")
+    other = report("c.json", "c3", {"checkpoint": "runs/b", "paper_model": "POMO-MTL", "n100": {"rows": []}})
+    with pytest.raises(ValueError, match="paper_model is 'POMO-MTL', another report has 'MVMoE/4E'"):
+        ship_model.results_table([n50, other], "runs/b")
