@@ -7,8 +7,10 @@ through ``shared_dir``: a user's clone has no shared/, so they skip with a clear
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
+import types
 
 import pytest
 
@@ -24,6 +26,15 @@ def require_shared(*parts: str) -> pathlib.Path:
             pytest.fail(f"CI=true but {reason}")
         pytest.skip(reason)
     return path
+
+
+def script_module(relative_path: str) -> types.ModuleType:
+    """A script of the repository that is not part of the package (``scripts/ship_model.py``), imported."""
+    path = REPO_ROOT / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

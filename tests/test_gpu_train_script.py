@@ -1,7 +1,6 @@
 """Training on a machine without ../shared: scripts/gpu_train.sh (a run under a wall-clock budget, exported as
 flat files and continued from them) and scripts/copy_validation_sets.py (the test sets that travel with it)."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import script_module
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.training_validation import Validator
 
@@ -44,15 +44,12 @@ def test_a_budgeted_run_continues_from_its_exported_state(tmp_path):
     assert epochs == [1, 2]
 
 
-def _copy_script():
-    spec = importlib.util.spec_from_file_location("copy_validation_sets", REPO / "scripts" / "copy_validation_sets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _copy_validation_sets(*args):
+    return script_module("scripts/copy_validation_sets.py").copy_validation_sets(*args)
 
 
 def test_copied_validation_sets_are_what_validation_reads(paper_dir, tmp_path):
-    copied = _copy_script().copy_validation_sets(paper_dir, tmp_path / "data", 50, "TRAIN")
+    copied = _copy_validation_sets(paper_dir, tmp_path / "data", 50, "TRAIN")
     assert len(copied) == 2 * 6   # a test set and its reference solutions per training variant
     kwargs = dict(variants="TRAIN", num_customers=50, pomo_size=50, num_instances=5, batch_size=5,
                   augment=False, seed=0)
@@ -67,4 +64,4 @@ def test_copied_validation_sets_are_what_validation_reads(paper_dir, tmp_path):
 
 def test_a_missing_test_set_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="OVRPTW at n = 50"):
-        _copy_script().copy_validation_sets(tmp_path, tmp_path / "data", 50, "OVRPTW")
+        _copy_validation_sets(tmp_path, tmp_path / "data", 50, "OVRPTW")

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import script_module
 from mvmoe_jax import checker, checkpoints, shipped, training
 from mvmoe_jax.instances import generate
 from mvmoe_jax.nn.policy import PolicyConfig
@@ -117,15 +118,9 @@ def test_every_shipped_model_loads_and_reproduces_its_card(name):
 
 def test_the_cards_results_merge_reports_by_section_without_per_instance_outputs(tmp_path):
     """scripts/ship_model.py: the card's table merges paper_tables reports (n50 from one, setx from another),
-    each section with the machine and commit that measured it; per-instance outputs and a section measured
-    twice are refused into the card."""
-    import importlib.util
-    import pathlib
-
-    spec = importlib.util.spec_from_file_location(
-        "ship_model", pathlib.Path(__file__).resolve().parent.parent / "scripts" / "ship_model.py")
-    ship_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ship_model)
+    each section with the checkpoint, machine and commit that measured it and without per-instance outputs; a
+    section measured twice, or reports for different paper columns, are refused."""
+    ship_model = script_module("scripts/ship_model.py")
 
     def report(name, commit, entry):
         path = tmp_path / name
