@@ -52,8 +52,9 @@ def wall_seconds(records: list[dict]) -> float:
                      for r in records))
 
 
-def results_table(paths: list[str], checkpoint_label: str) -> dict:
-    """The paper_tables reports at ``paths`` for the one model in each, merged, without per-instance outputs.
+def results_table(paths: list[str], name: str) -> dict:
+    """The paper_tables reports at ``paths`` merged, for the model labelled ``name`` in each (or the only model
+    of a report of one), without per-instance outputs.
 
     Each section (``n50``, ``setx``, ...) carries the checkpoint evaluated (a path or the shipped name) and the
     machine, commit and date of the report that measured it; the other fields (``paper_model``) must agree."""
@@ -62,9 +63,12 @@ def results_table(paths: list[str], checkpoint_label: str) -> dict:
         with open(path) as f:
             report = json.load(f)
         models = report.get("models", {})
-        if len(models) != 1:
-            raise ValueError(f"{path}: expected a report of one model ({checkpoint_label}), found {len(models)}")
-        (entry,) = models.values()
+        if name in models:
+            entry = models[name]
+        elif len(models) == 1:
+            (entry,) = models.values()
+        else:
+            raise ValueError(f"{path}: no model labelled {name!r} among {sorted(models)}")
         measured = {"checkpoint": entry.get("checkpoint"), "machine": report.get("machine"),
                     "commit": report.get("commit"), "date": report.get("date"),
                     "num_instances": report.get("num_instances")}
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="the training run's workdir (checkpoints/ and metrics.jsonl)")
     p.add_argument("--name", required=True, help="the shipped name, e.g. mvmoe_4e_n50")
     p.add_argument("--results", required=True,
-                   help="comma list of benchmarks/paper_tables.py JSON reports of this checkpoint (their sections merged)")
+                   help="comma list of benchmarks/paper_tables.py JSON reports of this checkpoint (their sections merged; in a report of several models, the one labelled --name)")
     p.add_argument("--command", required=True, help="the command that trained it")
     p.add_argument("--commit", required=True, help="the commit of the code that trained it")
     p.add_argument("--hardware", required=True, help="what it was trained on")
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     check = shipped.check_objectives(cfg, params, **CHECK)
     card = {"command": args.command, "commit": args.commit, "config": stored, "epochs": last_epoch,
             "instances": instances, "hardware": args.hardware, "wall_seconds": round(wall_seconds(records), 1),
-            "results": results_table(args.results.split(","), args.workdir),
+            "results": results_table(args.results.split(","), args.name),
             "learning_curve": learning_curve(records, stored["train_episodes"]),
             "check": {**CHECK, "objectives": check}}
     folder = shipped.export(pathlib.Path(args.out_root) / args.name, params, cfg, card)
