@@ -10,12 +10,35 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 import types
 
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
+_XLA_CACHE = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Keep compiled XLA programs on disk for the length of the run, in one folder that the worker processes
+    and every ``train.py`` the tests start share (they inherit the environment): a program compiled again (the
+    same command killed and resumed, the same step in two test files) is read back instead of compiled. A
+    folder the caller chose is left alone. Its effect is in docs/performance.md, "Test suite"."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="mvmoe-jax-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    config.stash[_XLA_CACHE] = folder
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_XLA_CACHE, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def require_shared(*parts: str) -> pathlib.Path:

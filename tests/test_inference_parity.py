@@ -53,7 +53,9 @@ def _assert_per_instance_parity(ours, torch_fixtures, name, label):
         assert ours[variant]["gap"] is None            # the fixture datasets have no reference solutions
 
 
-@pytest.mark.parametrize("preset", ["cpu", "reference", "gpu"])
+# The gpu preset runs with the slow tests: on a CPU it is a combination no user runs, and each of its fields is
+# checked against the reference in tests/test_execution_plan.py.
+@pytest.mark.parametrize("preset", ["cpu", "reference", pytest.param("gpu", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["mtl", "moe"])
 def test_per_instance_parity(torch_fixtures, evaluations, name, preset):
     _assert_per_instance_parity(evaluations(name, preset), torch_fixtures, name, f"{name} ({preset} plan)")
