@@ -62,7 +62,8 @@ def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: in
         seconds = float(sum(s.seconds for s in sols))
         rows.append(_row(method, limit, np.array([s.cost for s in sols]), reference, seconds,
                          sum(s.feasible for s in sols), wall_seconds=wall, compile_seconds=max(wall - seconds, 0.0),
-                         rounds=int(np.mean([s.rounds for s in sols]))))
+                         rounds=int(np.mean([s.rounds for s in sols])),
+                         **({"samples": sorted({s.samples for s in sols})} if search == "sampling" else {})))
         print(f"  {method:10s} {limit or '':>5}  gap {rows[-1]['gap']:6.2f}%  {rows[-1]['seconds_per_instance']:.2f} s/inst",
               flush=True)
     return rows

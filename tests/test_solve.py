@@ -422,7 +422,7 @@ def test_sampling_never_returns_worse_than_greedy_and_repeats_exactly_by_seed(sm
     first = api.solve_instances(SMALL, small_params, batch, search="sampling", rounds=2, samples=2, seed=3)
     again = api.solve_instances(SMALL, small_params, batch, search="sampling", rounds=2, samples=2, seed=3)
     for g, s, t in zip(greedy, first, again):
-        assert g.feasible and s.feasible and s.rounds == 2
+        assert g.feasible and s.feasible and s.rounds == 2 and s.samples == 2 and g.samples is None
         assert s.greedy_cost == pytest.approx(g.cost, rel=1e-12)
         assert s.cost <= g.cost
         assert (t.cost, t.routes) == (s.cost, s.routes)
@@ -434,6 +434,30 @@ def test_sampling_never_returns_worse_than_greedy_and_repeats_exactly_by_seed(sm
     # A time limit too short for one round leaves greedy's routes.
     short = api.solve_instances(SMALL, small_params, batch, search="sampling", time_limit=1e-6, samples=2)
     assert [s.rounds for s in short] == [0] * 8 and [s.cost for s in short] == [g.cost for g in greedy]
+    assert [s.samples for s in short] == [1] * 8
+
+
+def test_a_round_holds_fewer_samples_where_the_time_limit_is_short():
+    """Sampled rollouts per start and copy in a round: as asked without a time limit or where a round of them
+    fits after greedy (a sampled rollout costing 1.5 greedy ones), else as many as fit, at least one."""
+    asked = search.Settings(samples=8)
+    assert search.round_samples(asked, greedy_seconds=4.5, real=64) == 8
+    # 0.5 s for each of 64 instances: 27.5 s left after greedy, a sample per start and copy costs 6.75 s.
+    assert search.round_samples(search.Settings(samples=8, time_limit=0.5), greedy_seconds=4.5, real=64) == 4
+    assert search.round_samples(search.Settings(samples=8, time_limit=2.0), greedy_seconds=4.5, real=64) == 8
+    assert search.round_samples(search.Settings(samples=8, time_limit=0.05), greedy_seconds=4.5, real=64) == 1
+
+
+def test_a_time_limited_sampling_run_repeats_from_its_reported_rounds_and_samples(small_params):
+    """Far more samples asked than 0.1 s an instance holds: rounds of fewer, the first of which always starts
+    (greedy takes milliseconds here); the reported rounds and samples, without the time limit, repeat the run."""
+    batch = generated("VRPTW", 6, seed=2)
+    timed = api.solve_instances(SMALL, small_params, batch, search="sampling", time_limit=0.1, samples=10_000, seed=5)
+    rounds, samples = timed[0].rounds, timed[0].samples
+    assert all((s.rounds, s.samples) == (rounds, samples) for s in timed)
+    assert rounds >= 1 and 1 <= samples < 10_000
+    again = api.solve_instances(SMALL, small_params, batch, search="sampling", rounds=rounds, samples=samples, seed=5)
+    assert [(s.cost, s.routes) for s in again] == [(s.cost, s.routes) for s in timed]
 
 
 class _FakeCompiled:

@@ -62,6 +62,9 @@ class Solution:
       seconds:      the instance's share of its batch's search time (compilation excluded).
       starts:       POMO starts decoded; search, rounds (sampling rounds or EAS iterations run), model (the
                     checkpoint).
+      samples:      sampling: rollouts per start and copy in each round (fewer than asked where a round of
+                    that many would not fit the time limit); the same seed, rounds and samples repeat the run.
+                    Else None.
       files:        what was written for it ({"sol": path, "plot": path}).
       adapted:      EAS's adapted node embeddings, float32 (8, n + 1, D), one set per symmetric copy, when asked
                     for (``keep_adapted``); else None. Not in the JSON summary.
@@ -84,6 +87,7 @@ class Solution:
     search: str
     rounds: int
     model: str
+    samples: int | None = None
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     adapted: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
@@ -197,7 +201,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         for j, (i, p) in enumerate(zip(idx, group)):
             out[i] = _solution(p, res.actions[j], res.greedy_actions[j], checks[j], float(res.cost[j]),
                                seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search,
-                               rounds=res.rounds, model=name,
+                               rounds=res.rounds, model=name, samples=res.samples,
                                adapted=res.adapted[j] if keep_adapted else None)
             if on_solution is not None:
                 on_solution(p, out[i])

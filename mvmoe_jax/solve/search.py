@@ -9,8 +9,10 @@ finds, so none returns a route worse than greedy's.
   the best of the 8P rollouts (``rollout.greedy_evaluate``).
 - ``sampling``: then rounds of ``samples`` sampled rollouts per start and copy (samples x 8 x P per instance
   a round, all in one batched program), until ``time_limit`` seconds per instance (greedy included,
-  compilation not) or ``rounds`` rounds are spent. Round r draws from ``fold_in(key, r)``, so a run with the
-  same seed, inputs and options is repeated exactly by ``rounds`` = the rounds it reports.
+  compilation not) or ``rounds`` rounds are spent; under a time limit too short for one such round after
+  greedy, rounds of as many samples as one round can hold (``round_samples``). Round r draws from
+  ``fold_in(key, r)``, so a run with the same seed, inputs and options is repeated exactly by ``rounds`` and
+  ``samples`` = the rounds and samples it reports.
 - ``eas``: efficient active search (``eas``: EAS-Emb, each instance's node embeddings adapted by Adam on
   REINFORCE over one sampled rollout per start and copy plus imitation of the incumbent), iterations under the
   same time limit and round count (iteration r draws from ``fold_in(key, r)``, likewise repeatable), keeping
@@ -106,7 +108,8 @@ class DecodePlan:
 class BatchResult:
     """Per instance of the batch (B): cost float32 (B,) of the best route found (unit square), actions int32
     (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds
-    or EAS iterations run; seconds: the batch's wall time without compilation; compile_seconds; plans: the
+    or EAS iterations run; samples: sampled rollouts per start and copy in each sampling round (sampling only);
+    seconds: the batch's wall time without compilation; compile_seconds; plans: the
     DecodePlan of each program used; adapted: EAS's adapted node embeddings of the first ``real`` instances,
     float32 (real, 8, N, D) (``eas``), else None."""
 
@@ -118,6 +121,7 @@ class BatchResult:
     seconds: float
     compile_seconds: float
     plans: dict[str, DecodePlan]
+    samples: int | None = None
     adapted: np.ndarray | None = None
 
 
@@ -274,10 +278,10 @@ class Decoder:
             compile_at, rows=8 * b, starts=starts, budget=self.budget,
             chunk=_default_chunk(starts, 8 * b, self.num_devices, self.execution), num_customers=n))
 
-    def sampling_program(self, batch: Instance, starts: int):
-        """(compiled sampling round, DecodePlan, seconds spent compiling now) for ``starts`` POMO starts."""
+    def sampling_program(self, batch: Instance, starts: int, samples: int):
+        """(compiled sampling round, DecodePlan, seconds spent compiling now) for ``starts`` POMO starts and
+        ``samples`` rollouts per start and copy."""
         b, n = batch.locs.shape[0], batch.locs.shape[1] - 1
-        samples = self.settings.samples
         rows = samples * 8 * b
         args = rollout.replicated((self.params, batch, jax.random.key(0)), self.num_devices)
 
@@ -348,11 +352,28 @@ def _run_rounds(result: BatchResult, settings: Settings, real: int, default_roun
         result.rounds += 1
 
 
+# A round's sampled rollout costs about this many greedy rollouts (no argmax, but a draw per step), for
+# predicting whether a round fits the time limit.
+SAMPLE_PER_GREEDY = 1.5
+
+
+def round_samples(settings: Settings, greedy_seconds: float, real: int) -> int:
+    """Sampled rollouts per start and copy in a sampling round: ``settings.samples``, or under a time limit that
+    leaves too little after greedy's ``greedy_seconds`` (for ``real`` instances) for one such round, as many as
+    one round can hold (at least 1)."""
+    if settings.time_limit is None:
+        return settings.samples
+    left = settings.time_limit * real - greedy_seconds
+    fit = int(left // (SAMPLE_PER_GREEDY * greedy_seconds)) if greedy_seconds > 0 else settings.samples
+    return min(settings.samples, max(1, fit))
+
+
 def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 as the incumbent, then sampling rounds while the time limit and round count allow."""
     result = greedy_search(decoder, batch, key, real)
     settings = decoder.settings
-    compiled, decode_plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts)
+    result.samples = round_samples(settings, result.seconds, real)
+    compiled, decode_plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts, result.samples)
     result.compile_seconds += compile_s
     result.plans["sampling"] = decode_plan
     params, batch = rollout.replicated((decoder.params, batch), decoder.num_devices)
@@ -365,9 +386,9 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
         result.cost = np.where(better, cost, result.cost)
         result.actions = np.where(better[:, None], actions, result.actions)
 
-    # The first round is predicted from greedy's time: greedy decodes 1 / samples of a round's rollouts, each a
-    # little cheaper.
-    _run_rounds(result, settings, real, DEFAULT_ROUNDS, 1.5 * settings.samples * result.seconds, sampling_round)
+    # The first round is predicted from greedy's time: greedy decodes 1 / samples of a round's rollouts.
+    _run_rounds(result, settings, real, DEFAULT_ROUNDS, SAMPLE_PER_GREEDY * result.samples * result.seconds,
+                sampling_round)
     return result
 
 
