@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="the training run's workdir (checkpoints/ and metrics.jsonl)")
     p.add_argument("--name", required=True, help="the shipped name, e.g. mvmoe_4e_n50")
     p.add_argument("--results", required=True,
-                   help="comma list of benchmarks/paper_tables.py JSON reports of this checkpoint (their sections merged; in a report of several models, the one labelled --name)")
+                   help="comma list of benchmarks/paper_tables.py JSON reports of this checkpoint (their sections "
+                        "merged; in a report of several models, the one labelled --name)")
     p.add_argument("--command", required=True, help="the command that trained it")
     p.add_argument("--commit", required=True, help="the commit of the code that trained it")
     p.add_argument("--hardware", required=True, help="what it was trained on")

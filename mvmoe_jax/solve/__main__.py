@@ -34,8 +34,8 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
                    "--time_limit); eas: iterations (default 50 without --time_limit); a run is repeated exactly by "
                    "the same seed and its reported rounds (and samples)")
-    p.add_argument("--samples", type=int, default=8, help="sampling: rollouts per POMO start and augmentation a round (fewer where a round of "
-                   "that many would not fit --time_limit)")
+    p.add_argument("--samples", type=int, default=8, help="sampling: rollouts per POMO start and augmentation a "
+                   "round (fewer where a round of that many would not fit --time_limit)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     p.add_argument("--eas_learning_rate", type=float, default=eas.LEARNING_RATE, help="eas: Adam's step size")
     p.add_argument("--eas_imitation_weight", type=float, default=eas.IMITATION_WEIGHT,
