@@ -10,6 +10,12 @@ per instance as the paper does. Compilation is excluded from the policy's second
 
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --num_instances=100 --time_limits=0.5,2,8
 
+``--methods`` picks the policy's searches and ``--solvers`` the reference solvers, so that a run over every variant
+at one limit can compare EAS with OR-Tools alone:
+
+    python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=ALL --time_limits=2 \
+        --methods=greedy,eas --solvers=ortools --output=benchmarks/results/search_all_variants_mvmoe_4e_n50.json
+
 JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``, the
 JSON after every variant. Each variant is measured in one go on one machine, and its entry names the machine
 and commit; ``--resume`` continues the report at ``--output``, measuring only the variants it lacks (the run's
@@ -47,12 +53,19 @@ def _row(method: str, time_limit: float | None, costs: np.ndarray, reference: np
             "feasible": feasible, "instances": len(costs), **extra}
 
 
-def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: int) -> list[dict]:
-    """Greedy x8 once, then sampling and EAS at each time limit (seconds per instance)."""
+# The policy's searches, in the order they run.
+POLICY_METHODS = ("greedy", "sampling", "eas")
+
+
+def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: int,
+                methods=POLICY_METHODS) -> list[dict]:
+    """Greedy x8 once, then sampling and EAS at each time limit (seconds per instance), those of them in
+    ``methods``."""
     from mvmoe_jax.solve import solve_instances
 
     rows = []
-    runs = [("greedy x8", None)] + [(s, t) for t in time_limits for s in ("sampling", "eas")]
+    runs = [("greedy x8", None)] if "greedy" in methods else []
+    runs += [(s, t) for t in time_limits for s in ("sampling", "eas") if s in methods]
     for method, limit in runs:
         search = method.split()[0]
         t0 = time.perf_counter()
@@ -91,7 +104,7 @@ def baseline_rows(batch, variant: str, reference: np.ndarray, time_limits, worke
 
 
 # What a resumed run must share with the report it continues.
-SETTINGS = ("checkpoint", "num_instances", "time_limits", "solvers", "workers", "seed")
+SETTINGS = ("checkpoint", "num_instances", "time_limits", "methods", "solvers", "workers", "seed")
 
 
 def markdown(report: dict) -> str:
@@ -118,8 +131,12 @@ def plot(report: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     variants = list(report["variants"])
-    fig, axes = plt.subplots(1, len(variants), figsize=(4 * len(variants), 3.6), squeeze=False)
-    for ax, variant in zip(axes[0], variants):
+    cols = min(len(variants), 4)
+    rows_of_panels = -(-len(variants) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4 * cols, 3.6 * rows_of_panels), squeeze=False)
+    for ax in axes.flat[len(variants):]:
+        ax.set_visible(False)
+    for ax, variant in zip(axes.flat, variants):
         rows = report["variants"][variant]["rows"]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["seconds_per_instance"], r["gap"]) for r in rows if r["method"] == method)
@@ -127,8 +144,9 @@ def plot(report: dict, path: str) -> str:
         ax.set_xscale("log")
         ax.set_title(variant)
         ax.set_xlabel("seconds per instance")
-    axes[0][0].set_ylabel("gap to the paper's reference (%)")
-    return save_figure(fig, axes[0], path)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("gap to the paper's reference (%)")
+    return save_figure(fig, axes.flat[:len(variants)], path)
 
 
 def resumed_report(output: str, settings: dict) -> dict:
@@ -151,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--num_instances", type=int, default=100)
     p.add_argument("--time_limits", default="0.5,2,8", help="comma list of seconds per instance")
+    p.add_argument("--methods", default=",".join(POLICY_METHODS),
+                   help="comma list of the policy's searches to run: greedy (x8), sampling, eas")
     p.add_argument("--solvers", default="pyvrp,ortools", help="reference solvers to run beside the policy")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="reference-solver processes")
     p.add_argument("--seed", type=int, default=0)
@@ -165,7 +185,12 @@ def main(argv=None) -> int:
 
     settings = {"checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
                 "time_limits": [float(t) for t in args.time_limits.split(",") if t],
+                "methods": [m for m in args.methods.split(",") if m],
                 "solvers": [s for s in args.solvers.split(",") if s], "seed": args.seed}
+    unknown = sorted(set(settings["methods"]) - set(POLICY_METHODS))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; the policy's searches are "
+                         f"{', '.join(POLICY_METHODS)}")
     output = args.output or machine.default_output("search_vs_time")
     stem = os.path.splitext(output)[0]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
@@ -182,7 +207,7 @@ def main(argv=None) -> int:
                                         num_instances=args.num_instances)
         reference, _ = io.load_paper_solutions(io.reference_solution_path(args.data_dir, variant, 50),
                                                num_instances=args.num_instances)
-        rows = policy_rows(cfg, params, batch, reference, settings["time_limits"], args.seed)
+        rows = policy_rows(cfg, params, batch, reference, settings["time_limits"], args.seed, settings["methods"])
         rows += baseline_rows(batch, variant, reference, settings["time_limits"], args.workers, settings["solvers"])
         report["variants"][variant] = {"machine": machine.jax_device(), "commit": machine.repository_commit(),
                                        "date": datetime.date.today().isoformat(), "rows": rows}

@@ -423,14 +423,14 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
     measures only what the report lacks and refuses a report made with other settings. The methods themselves
     are replaced by recorders here (sampling and EAS are tested in test_solve.py and test_eas.py)."""
     from conftest import require_shared
-    from mvmoe_jax import checkpoints
+    from mvmoe_jax import checkpoints, problems
 
     data_dir = require_shared("data", "mvmoe-paper")
     svt = _benchmarks_module("search_vs_time")
     measured = []
 
-    def policy_rows(cfg, params, batch, reference, time_limits, seed):
-        measured.append(("policy", len(reference), tuple(time_limits)))
+    def policy_rows(cfg, params, batch, reference, time_limits, seed, methods):
+        measured.append(("policy", len(reference), tuple(time_limits), tuple(methods)))
         costs = np.asarray(reference) * 1.1
         return [svt._row("greedy x8", None, costs, reference, 1.0, len(costs))]
 
@@ -445,7 +445,7 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
     common = ["--checkpoint=m", "--num_instances=3", "--time_limits=0.5,2", "--solvers=ortools", "--workers=2",
               f"--data_dir={data_dir}", f"--output={out}"]
     svt.main(common + ["--variants=CVRP"])
-    assert measured == [("policy", 3, (0.5, 2.0)), ("baselines", "CVRP", ("ortools",))]
+    assert measured == [("policy", 3, (0.5, 2.0), ("greedy", "sampling", "eas")), ("baselines", "CVRP", ("ortools",))]
     first = json.loads(out.read_text())["variants"]["CVRP"]
     assert first["machine"] and first["commit"] and [r["method"] for r in first["rows"]] == ["greedy x8", "ortools",
                                                                                           "ortools"]
@@ -453,7 +453,7 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
 
     measured.clear()
     svt.main(common + ["--variants=CVRP,VRPBL", "--resume"])
-    assert measured == [("policy", 3, (0.5, 2.0)), ("baselines", "VRPBL", ("ortools",))]
+    assert measured == [("policy", 3, (0.5, 2.0), ("greedy", "sampling", "eas")), ("baselines", "VRPBL", ("ortools",))]
     report = json.loads(out.read_text())
     assert list(report["variants"]) == ["CVRP", "VRPBL"] and report["variants"]["CVRP"] == first
     text = (tmp_path / "svt.md").read_text()
@@ -462,5 +462,18 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
 
     with pytest.raises(SystemExit, match=r"other settings \(num_instances: report 3, now 4\)"):
         svt.main([a if not a.startswith("--num_instances") else "--num_instances=4" for a in common] + ["--resume"])
+    with pytest.raises(SystemExit, match=r"\(methods: report \['greedy', 'sampling', 'eas'\], now \['eas'\]\)"):
+        svt.main(common + ["--methods=eas", "--resume"])
     with pytest.raises(SystemExit, match="no report to continue"):
         svt.main(common[:-1] + [f"--output={tmp_path / 'none.json'}", "--resume"])
+    with pytest.raises(SystemExit, match="--methods: unknown beam; the policy's searches are greedy, sampling, eas"):
+        svt.main(common + ["--methods=greedy,beam"])
+
+    # Every variant at one limit, EAS and OR-Tools alone: a grid of panels, one per variant.
+    measured.clear()
+    every = tmp_path / "every.json"
+    svt.main([a for a in common if not a.startswith(("--output", "--time_limits"))]
+             + ["--variants=ALL", "--time_limits=2", "--methods=greedy,eas", f"--output={every}"])
+    assert {m[3] for m in measured if m[0] == "policy"} == {("greedy", "eas")}
+    assert len(measured) == 32 and list(json.loads(every.read_text())["variants"]) == list(problems.VARIANT_NAMES)
+    assert (tmp_path / "every.png").read_bytes()[:4] == b"\x89PNG"
