@@ -52,12 +52,13 @@ def wall_seconds(records: list[dict]) -> float:
                      for r in records))
 
 
-def results_table(paths: list[str], name: str) -> dict:
+def results_table(paths: list[str], name: str, workdir: str) -> dict:
     """The paper_tables reports at ``paths`` merged, for the model labelled ``name`` in each (or the only model
     of a report of one), without per-instance outputs.
 
-    Each section (``n50``, ``setx``, ...) carries the checkpoint evaluated (a path or the shipped name) and the
-    machine, commit and date of the report that measured it; the other fields (``paper_model``) must agree."""
+    Each section (``n50``, ``setx``, ...) carries the checkpoint evaluated and the machine, commit and date of
+    the report that measured it; the other fields (``paper_model``) must agree. A section measured on
+    ``workdir`` itself, before it shipped, names the checkpoint by its shipped name: the weights are the same."""
     table = {}
     for path in paths:
         with open(path) as f:
@@ -69,7 +70,10 @@ def results_table(paths: list[str], name: str) -> dict:
             (entry,) = models.values()
         else:
             raise ValueError(f"{path}: no model labelled {name!r} among {sorted(models)}")
-        measured = {"checkpoint": entry.get("checkpoint"), "machine": report.get("machine"),
+        checkpoint = entry.get("checkpoint")
+        if checkpoint and os.path.abspath(checkpoint) == os.path.abspath(workdir):
+            checkpoint = name
+        measured = {"checkpoint": checkpoint, "machine": report.get("machine"),
                     "commit": report.get("commit"), "date": report.get("date"),
                     "num_instances": report.get("num_instances")}
         for key, value in entry.items():
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
     check = shipped.check_objectives(cfg, params, **CHECK)
     card = {"command": args.command, "commit": args.commit, "config": stored, "epochs": last_epoch,
             "instances": instances, "hardware": args.hardware, "wall_seconds": round(wall_seconds(records), 1),
-            "results": results_table(args.results.split(","), args.name),
+            "results": results_table(args.results.split(","), args.name, args.workdir),
             "learning_curve": learning_curve(records, stored["train_episodes"]),
             "check": {**CHECK, "objectives": check}}
     folder = shipped.export(pathlib.Path(args.out_root) / args.name, params, cfg, card)

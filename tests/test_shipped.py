@@ -1,6 +1,7 @@
 """Shipped models: loading by name everywhere a checkpoint is taken, their cards' checks, damaged files."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -119,7 +120,8 @@ def test_every_shipped_model_loads_and_reproduces_its_card(name):
 def test_the_cards_results_merge_reports_by_section_without_per_instance_outputs(tmp_path):
     """scripts/ship_model.py: the card's table merges paper_tables reports (n50 from one, setx from another),
     each section with the checkpoint, machine and commit that measured it and without per-instance outputs; in a
-    report of several models it takes the one with the shipped name; a section measured twice, reports for
+    report of several models it takes the one with the shipped name; a section measured on the shipped run's own
+    workdir names the shipped model instead of the path; a section measured twice, reports for
     different paper columns, or a report of several models none of them the shipped one, are refused."""
     ship_model = script_module("scripts/ship_model.py")
 
@@ -133,21 +135,23 @@ def test_the_cards_results_merge_reports_by_section_without_per_instance_outputs
                                   "n50": {"rows": [{"variant": "CVRP", "gap": 2.4}], "results": {"CVRP": [1.0]}}})
     setx = report("b.json", "c2", {"checkpoint": "mvmoe_4e_n50", "paper_model": "MVMoE/4E",
                                    "setx": {"rows": [{"group": "100 <= n < 200", "gap": 10.9}]}})
-    table = ship_model.results_table([n50, setx], "mvmoe_4e_n50")
+    table = ship_model.results_table([n50, setx], "mvmoe_4e_n50", "runs/a")
     assert table["paper_model"] == "MVMoE/4E" and "checkpoint" not in table
     assert table["n50"] == {"rows": [{"variant": "CVRP", "gap": 2.4}], "checkpoint": "runs/b", "machine": "m",
                             "commit": "c1", "date": "d", "num_instances": None}
     assert table["setx"]["commit"] == "c2" and table["setx"]["checkpoint"] == "mvmoe_4e_n50"
+    shipped_from_b = ship_model.results_table([n50, setx], "mvmoe_4e_n50", os.path.abspath("runs/b"))
+    assert shipped_from_b["n50"]["checkpoint"] == "mvmoe_4e_n50"
     with pytest.raises(ValueError, match="section 'n50' is in two of the reports"):
-        ship_model.results_table([n50, n50], "mvmoe_4e_n50")
+        ship_model.results_table([n50, n50], "mvmoe_4e_n50", "runs/a")
     other = report("c.json", "c3", {"checkpoint": "runs/b", "paper_model": "POMO-MTL", "n100": {"rows": []}})
     with pytest.raises(ValueError, match="paper_model is 'POMO-MTL', another report has 'MVMoE/4E'"):
-        ship_model.results_table([n50, other], "mvmoe_4e_n50")
+        ship_model.results_table([n50, other], "mvmoe_4e_n50", "runs/a")
     # A comparison of two models measured in one run: each model's card takes its own column.
     pomo = {"checkpoint": "runs/p", "paper_model": "POMO-MTL", "n50": {"rows": [{"variant": "CVRP", "gap": 2.9}]}}
     both = report("d.json", "c4", {"checkpoint": "mvmoe_4e_n50", "paper_model": "MVMoE/4E",
                                    "n50": {"rows": [{"variant": "CVRP", "gap": 2.4}]}}, pomo_mtl_n50=pomo)
-    assert ship_model.results_table([both], "pomo_mtl_n50")["n50"]["rows"] == [{"variant": "CVRP", "gap": 2.9}]
-    assert ship_model.results_table([both], "mvmoe_4e_n50")["paper_model"] == "MVMoE/4E"
+    assert ship_model.results_table([both], "pomo_mtl_n50", "runs/a")["n50"]["rows"] == [{"variant": "CVRP", "gap": 2.9}]
+    assert ship_model.results_table([both], "mvmoe_4e_n50", "runs/a")["paper_model"] == "MVMoE/4E"
     with pytest.raises(ValueError, match="no model labelled 'pomo_mtl_n100' among"):
-        ship_model.results_table([both], "pomo_mtl_n100")
+        ship_model.results_table([both], "pomo_mtl_n100", "runs/a")
