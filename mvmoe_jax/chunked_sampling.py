@@ -1,14 +1,14 @@
 """Training's sampling pass decoded a few instances at a time on each device (CPU).
 
-``rollout.rollout(..., decode_type='sampling', train=True, record=True)`` decodes a device's whole share of
-the batch at every step (1,600 trajectories for 32 instances of n = 50). On a CPU a decoding step over about
-100 trajectories keeps its scores, masks and softmax in the core's cache (see ``rollout.chunk_instances``),
-and a device that decodes its own instances needs no collective at any step. ``chunked_sampling`` decodes
-each device's instances in chunks of that size, one after another, and returns what the whole-batch rollout
-returns: the same sampled actions, log-likelihoods, costs, step count and record of the decoder's inputs
-(``RolloutOutput``), so that the backward pass (``engines.stepwise_backward.stepwise_gradients``) is unchanged. "The same" up to
-the float rounding of products over fewer rows (1e-6 relative in the tests, bitwise on a two-device mesh there),
-which can flip a sampled choice whose uniform lies within that rounding of a node's cumulative probability.
+``rollout.rollout(..., decode_type='sampling', train=True, record=True)`` decodes a device's whole share of the
+batch at every step (1,600 trajectories for 32 instances of n = 50). On a CPU a decoding step over about 100
+trajectories keeps its scores, masks and softmax in the core's cache (see ``rollout.chunk_instances``), and a device
+that decodes its own instances needs no collective at any step. ``chunked_sampling`` decodes each device's instances
+in chunks of that size, one after another, and returns what the whole-batch rollout returns: the same sampled
+actions, log-likelihoods, costs, step count and record of the decoder's inputs (``RolloutOutput``), so that the
+backward pass (``engines.stepwise_backward.stepwise_gradients``) is unchanged. "The same" up to the float rounding
+of products over fewer rows (1e-6 relative in the tests, bitwise on a two-device mesh there), which can flip a
+sampled choice whose uniform lies within that rounding of a node's cumulative probability.
 
 What makes the chunks equal to the whole batch:
 

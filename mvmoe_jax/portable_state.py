@@ -7,9 +7,9 @@ split into files of at most ``max_file_bytes``.
     python -m mvmoe_jax.portable_state export WORKDIR OUT_DIR [--max_file_mib=15]
     python -m mvmoe_jax.portable_state import IN_DIR WORKDIR
 
-``OUT_DIR`` holds ``meta.json`` (the run's config, epoch, step and PRNG key, its metrics records so far,
-and for every leaf of the training state its tree path, shape, dtype and file) and ``state_00.npz``, ``state_01.npz``, ... (read with
-``allow_pickle=False``). ``import`` writes an ordinary orbax checkpoint into a new workdir: running
+``OUT_DIR`` holds ``meta.json`` (the run's config, epoch, step and PRNG key, its metrics records so far, and for
+every leaf of the training state its tree path, shape, dtype and file) and ``state_00.npz``, ``state_01.npz``, ...
+(read with ``allow_pickle=False``). ``import`` writes an ordinary orbax checkpoint into a new workdir: running
 ``train.py`` with the same config and that workdir then continues exactly as the original run would.
 """
 

@@ -25,7 +25,8 @@ def gates_by_rank(logits: Array, k: int, temperature: float = 1.0) -> Array:
     Why: the top-k passes, their gathers, the softmax and the one-hot product are ~10 small operations per
     decoding step; these are elementwise, and XLA:CPU runs them as 5 small loops a step in MVMoE/4E's decoder.
     The gates agree with ``top_k_gates``'s to the last bit of the exponential (XLA's and YNNPACK's differ by an
-    ulp, and which one runs depends on the fusion). With k > 2 the sum's order would depend on the ranks: not offered."""
+    ulp, and which one runs depends on the fusion). With k > 2 the sum's order would depend on the ranks: not
+    offered."""
     if k > 2:
         raise ValueError(f"gates_by_rank handles top-1 and top-2 gating, got k = {k}")
     cols = [logits[:, j] for j in range(logits.shape[-1])]

@@ -54,9 +54,10 @@ def _step_objective(policy: Policy, traj: RolloutOutput, keys: jax.Array, ll_wei
                     aux_weight: jax.Array, score_tables=None):
     """``f(t, params, cache, gate_probs) -> ((objective, gate_probs), (picked, aux_t))``: the weighted
     log-probability of step t's recorded action plus the weighted aux loss, for ``jax.vjp``.
-    ``score_tables``: (node_scores, feature_scores) of the query fusion, without gradient, from which each
-    step's attention scores are gathered instead of computed (the ``"given_scores"`` path of ``engines.decoder_attention``). With a
-    decoder record in ``traj`` each step takes its attention and readout products from it instead."""
+    ``score_tables``: (node_scores, feature_scores) of the query fusion, without gradient, from which each step's
+    attention scores are gathered instead of computed (the ``"given_scores"`` path of
+    ``engines.decoder_attention``). With a decoder record in ``traj`` each step takes its attention and readout
+    products from it instead."""
 
     def step_objective(t, p, c, gate_probs):
         if score_tables is not None:

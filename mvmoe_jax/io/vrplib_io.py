@@ -380,7 +380,8 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
         missing = [what for need, have, what in (
             (stated.tw, windows is not None, "TIME_WINDOW_SECTION"),
             (stated.backhaul, pickup is not None, "BACKHAUL_SECTION"),
-            (stated.limit, limit is not None, "a route limit (DISTANCE or VEHICLES_MAX_DISTANCE)")) if need and not have]
+            (stated.limit, limit is not None, "a route limit (DISTANCE or VEHICLES_MAX_DISTANCE)"))
+            if need and not have]
         if missing:
             raise ValueError(f"{path}: TYPE is {stated.name} but the file has no {' and no '.join(missing)}")
     var = problems.variant_from_flags(stated is not None and stated.open,

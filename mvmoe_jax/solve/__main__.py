@@ -98,8 +98,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
     for r in report.refused:
         print(f"refused: {r.error}", file=sys.stderr)
     written = sum("sol" in s.files for s in report.solutions)
-    print(f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s (compilation {report.compile_seconds:.1f} s); "
-          f"wrote {written} .sol file(s) and {report.summary_file}")
+    print(f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s "
+          f"(compilation {report.compile_seconds:.1f} s); wrote {written} .sol file(s) and {report.summary_file}")
     if report.adapted_file is not None:
         print(f"adapted embeddings: {report.adapted_file}")
     return 1 if failed or report.refused else 0

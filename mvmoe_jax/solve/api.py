@@ -150,7 +150,8 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
     greedy = checker.split_subtours(checker.actions_to_route(greedy_actions))
     cost, greedy_cost = (checker.tours_cost(p.coords, r, is_open) for r in (searched, greedy))
     violation = None if check.feasible else (
-        check.violation if check.position is None else f"{check.violation} at position {check.position} (node {check.node})")
+        check.violation if check.position is None
+        else f"{check.violation} at position {check.position} (node {check.node})")
     if check.feasible and abs(check.cost - unit_cost) > COST_RTOL * max(check.cost, 1e-12):
         violation = f"cost {unit_cost:.7g} reported but the checker's is {check.cost:.7g}"
     elif check.feasible and abs(check.cost * p.scale - cost) > COST_RTOL * max(cost, 1e-12):
@@ -234,11 +235,11 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
     shipped model trained closest to it. search: a name in ``search.SEARCHES``; time_limit, rounds, samples,
     max_starts, memory_budget, eas_learning_rate, eas_imitation_weight: ``search.Settings``. save_adapted: with
-    ``search="eas"``, a file for the adapted embeddings of every instance (``outputs.write_adapted``). problem: the variant, when the data does not say it all
-    (``inputs.state_variant``). num_instances: at most this many from each file of several. bks: a table of
-    best-known values (BKS.json style). output: a folder for a ``.sol`` per instance (and with ``plot`` a
-    PNG) and ``summary.json``; None writes nothing. execution: the execution plan (None: the default backend's
-    preset; results do not depend on it).
+    ``search="eas"``, a file for the adapted embeddings of every instance (``outputs.write_adapted``). problem: the
+    variant, when the data does not say it all (``inputs.state_variant``). num_instances: at most this many from
+    each file of several. bks: a table of best-known values (BKS.json style). output: a folder for a ``.sol`` per
+    instance (and with ``plot`` a PNG) and ``summary.json``; None writes nothing. execution: the execution plan
+    (None: the default backend's preset; results do not depend on it).
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
     none is left; CheckpointRequiredError (a ValueError) when no checkpoint is given and none ships.

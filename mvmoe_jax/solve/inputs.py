@@ -90,7 +90,8 @@ def _pickle_variant(path: str) -> problems.Variant:
     if not isinstance(data, (list, tuple)) or not data or not isinstance(data[0], (list, tuple)):
         raise ValueError(f"{path}: expected a non-empty list of instances")
     row = data[0]
-    if len(row) == 2 and isinstance(row[1], (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in row[1][:5]):
+    if len(row) == 2 and isinstance(row[1], (list, tuple)) and all(
+            isinstance(v, (int, np.integer)) for v in row[1][:5]):
         raise ValueError(f"{path}: a solution file (cost, route pairs), not instances")
     by_fields = {expected_fields(v): v for v in problems.VARIANTS if not v.open and not v.backhaul}
     if len(row) not in by_fields:
