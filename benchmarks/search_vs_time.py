@@ -136,11 +136,14 @@ def plot(report: dict, path: str) -> str:
     fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4 * cols, 3.6 * rows_of_panels), squeeze=False)
     for ax in axes.flat[len(variants):]:
         ax.set_visible(False)
+    # One colour per method across the panels, whichever methods a variant has.
+    methods = dict.fromkeys(r["method"] for entry in report["variants"].values() for r in entry["rows"])
+    colour = {m: f"C{i}" for i, m in enumerate(methods)}
     for ax, variant in zip(axes.flat, variants):
         rows = report["variants"][variant]["rows"]
         for method in dict.fromkeys(r["method"] for r in rows):
             pts = sorted((r["seconds_per_instance"], r["gap"]) for r in rows if r["method"] == method)
-            ax.plot(*zip(*pts), marker="o", label=method)
+            ax.plot(*zip(*pts), marker="o", label=method, color=colour[method])
         ax.set_xscale("log")
         ax.set_title(variant)
         ax.set_xlabel("seconds per instance")
