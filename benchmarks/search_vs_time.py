@@ -14,7 +14,7 @@ per instance as the paper does. Compilation is excluded from the policy's second
 at one limit can compare EAS with OR-Tools alone:
 
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=ALL --time_limits=2 \
-        --methods=greedy,eas --solvers=ortools --output=benchmarks/results/search_all_variants_mvmoe_4e_n50.json
+        --methods=greedy,eas --solvers=ortools --output=all_variants_2s.json
 
 JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``, the
 JSON after every variant. Each variant is measured in one go on one machine, and its entry names the machine
