@@ -103,8 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--out_root", default=str(shipped.SHIPPED_DIR), help="folder of shipped models")
     args = p.parse_args(argv)
 
-    cfg, params = checkpoints.load_policy(args.workdir)
     last_epoch, stored = run_config(args.workdir)
+    # The parameters of the same step as the config and metrics read above.
+    cfg, params = checkpoints.restore_policy(os.path.join(args.workdir, "checkpoints"), step=last_epoch)
     # Only the epochs up to the shipped checkpoint (a run may have gone on since it was saved).
     records = [r for r in training_validation.read_metrics(os.path.join(args.workdir, "metrics.jsonl"))
                if r["epoch"] <= last_epoch]
