@@ -10,8 +10,9 @@ augmentation, as the paper evaluates:
   figure for its model trained at n = 100;
 * ``setx`` and ``solomon``: CVRPLIB Set-X and Solomon, gaps to the best-known values, by size group and by
   Solomon class;
-* ``--curves NAME=metrics.jsonl,...``: the learning curves (mean validation gap over the trained and the
-  unseen variants against training instances) from the training runs' metrics, as a PNG.
+* ``--curves NAME=SOURCE,...``: the learning curves (mean validation gap over the trained and the unseen
+  variants against training instances) as a PNG, each from a training run's metrics.jsonl or a shipped
+  model's card.
 
 Every table records the machine, the evaluation seconds and the commit. The JSON holds the tables only;
 ``--per_instance`` adds every instance's evaluation output (about 850 KB for one model on the n = 50 sets).
@@ -36,7 +37,8 @@ import machine  # benchmarks/machine.py (this folder is sys.path[0] when run)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from mvmoe_jax.training_validation import save_figure  # noqa: E402  (the repository root is on the path now)
+from mvmoe_jax import shipped  # noqa: E402  (the repository root is on the path now)
+from mvmoe_jax.training_validation import save_figure  # noqa: E402
 
 DEFAULT_DATA = os.path.join(os.path.dirname(REPO), "shared", "data", "mvmoe-paper")
 SECTIONS = ("n50", "n100", "setx", "solomon")
@@ -107,22 +109,30 @@ def solomon_classes(results: dict) -> list[dict]:
              "seconds": float(np.mean([r["seconds"] for r in rs]))} for c, rs in sorted(classes.items())]
 
 
-def curve_points(metrics_path: str, instances_per_epoch: int | None = None) -> list[dict]:
-    """(training instances, mean validation gap over the trained and the unseen variants) per validated epoch
-    of a training run's metrics.jsonl. Instances: the record's ``instances`` where present, else epoch x
-    ``instances_per_epoch``."""
+def _curve_point(epoch: int, instances: int | None, gaps: dict[str, float | None]) -> dict:
+    """One validated epoch: the mean gap (percent) over the trained and over the unseen variants of ``gaps``."""
+    groups = {g: [gap for variant, gap in gaps.items() if (variant in TRAINED) == (g == "trained") and gap is not None]
+              for g in ("trained", "unseen")}
+    return {"epoch": epoch, "instances": instances,
+            **{g: float(np.mean(x)) if x else None for g, x in groups.items()}}
+
+
+def curve_points(source: str, instances_per_epoch: int | None = None) -> list[dict]:
+    """(training instances, mean validation gap over the trained and the unseen variants) per validated epoch.
+
+    ``source`` is a training run's metrics.jsonl (instances: the record's ``instances`` where present, else
+    epoch x ``instances_per_epoch``) or a shipped model's name (the learning curve on its card)."""
+    if not os.path.exists(source) and shipped.looks_like_name(source):
+        return [_curve_point(r["epoch"], r["instances"], r["gap"]) for r in shipped.card(source)["learning_curve"]]
     points = []
-    with open(metrics_path) as f:
+    with open(source) as f:
         for line in f:
             record = json.loads(line)
             val = record.get("val")
             if not val:
                 continue
             seen = record.get("instances") or (record["epoch"] * instances_per_epoch if instances_per_epoch else None)
-            gaps = {g: [v["gap"] for k, v in val.items() if (k in TRAINED) == (g == "trained") and v.get("gap") is not None]
-                    for g in ("trained", "unseen")}
-            points.append({"epoch": record["epoch"], "instances": seen,
-                           **{g: float(np.mean(x)) if x else None for g, x in gaps.items()}})
+            points.append(_curve_point(record["epoch"], seen, {k: v.get("gap") for k, v in val.items()}))
     return points
 
 
@@ -252,7 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--execution", default="auto", help="execution plan preset")
     p.add_argument("--per_instance", action="store_true",
                    help="keep every instance's evaluation output in the JSON (left out by default)")
-    p.add_argument("--curves", default="", help="NAME=metrics.jsonl,... learning curves to plot")
+    p.add_argument("--curves", default="",
+                   help="NAME=SOURCE,... learning curves to plot; SOURCE: metrics.jsonl or a shipped name")
     p.add_argument("--instances_per_epoch", type=int, default=20000,
                    help="training instances per epoch, for metrics without an instance count")
     p.add_argument("--output", default=None, help="JSON path (markdown and PNG beside it); default "
@@ -266,6 +277,16 @@ def main(argv=None) -> int:
     if len(paper_models) != len(models):
         p.error(f"--paper_models names {len(paper_models)} columns for {len(models)} models")
     output = args.output or machine.default_output("paper_tables")
+    curves = {}  # read before the evaluations, so that a bad source fails at once
+    for item in filter(None, args.curves.split(",")):
+        name, _, source = item.partition("=")
+        if not name or not source:
+            p.error(f"--curves takes NAME=SOURCE items, got {item!r}")
+        try:
+            curves[name] = curve_points(source, args.instances_per_epoch)
+        except (OSError, ValueError) as e:  # a missing file, an unknown shipped name, a malformed line
+            print(f"error: learning curve {name!r}: {e}", file=sys.stderr)
+            return 2
     try:
         report = run(models, paper_models, [s for s in args.sections.split(",") if s], args.data_dir,
                      args.num_instances, args.execution, args.per_instance)
@@ -274,11 +295,7 @@ def main(argv=None) -> int:
         return 2
     stem = os.path.splitext(output)[0]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    if args.curves:
-        curves = {}
-        for item in args.curves.split(","):
-            name, _, path = item.partition("=")
-            curves[name] = curve_points(path, args.instances_per_epoch)
+    if curves:
         report["curves"] = curves
         report["curves_png"] = plot_curves(curves, stem + "_curves.png")
     machine.write_report(report, output, markdown(report))

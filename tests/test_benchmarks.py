@@ -399,6 +399,28 @@ def test_paper_tables_keep_per_instance_outputs_only_when_asked(tmp_path, monkey
     assert lean["rows"] == full["rows"] and lean["rows"][0]["gap"] == pytest.approx(2.0)
 
 
+def test_paper_tables_curves_from_a_shipped_card_and_bad_sources_refused(tmp_path, monkeypatch, capsys):
+    """--curves takes a shipped model's name (the learning curve on its card) as well as a metrics.jsonl; an
+    unknown name or a missing file is refused before any evaluation runs."""
+    from mvmoe_jax import cli, shipped
+
+    tables = _benchmarks_module("paper_tables")
+    name = shipped.names()[0]
+    card_curve = shipped.card(name)["learning_curve"]
+    points = tables.curve_points(name)
+    assert [(p["epoch"], p["instances"]) for p in points] == [(r["epoch"], r["instances"]) for r in card_curve]
+    last = card_curve[-1]["gap"]
+    assert points[-1]["trained"] == pytest.approx(np.mean([last[v] for v in tables.TRAINED]))
+    assert points[-1]["unseen"] == pytest.approx(np.mean([g for v, g in last.items() if v not in tables.TRAINED]))
+    monkeypatch.setattr(cli, "run_evaluation", lambda *_: pytest.fail("evaluated despite a bad --curves"))
+    for curves, message in (("m=no_such_model", "is not a shipped model"),
+                            (f"m={tmp_path / 'missing.jsonl'}", "No such file")):
+        assert tables.main(["--models=runs/m", f"--curves={curves}", f"--output={tmp_path / 'r.json'}"]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tables.main(["--models=runs/m", "--curves=only_a_name", f"--output={tmp_path / 'r.json'}"])
+
+
 def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
     """benchmarks/large_instances.py on one generated n = 200 instance with at most 20 starts: the plan within
     its budget, the checker agreeing with every cost, the report written; a size without a capacity refused."""
