@@ -143,10 +143,10 @@ def plot_curves(curves: dict[str, list[dict]], path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
+    for i, (name, points) in enumerate(curves.items()):  # one colour per model, solid: trained, dashed: unseen
         x = [p["instances"] if p["instances"] is not None else p["epoch"] for p in points]
         for group, style in (("trained", "-"), ("unseen", "--")):
-            ax.plot(x, [p[group] for p in points], style, marker=".", label=f"{name} ({group} variants)")
+            ax.plot(x, [p[group] for p in points], style, color=f"C{i}", marker=".", label=f"{name} ({group} variants)")
     # Log scale: the untrained model's gaps (about 200 %) would otherwise flatten the curves' tails.
     ax.set(xlabel="training instances", ylabel="mean validation gap % (greedy, no augmentation)",
            title="learning curves, n = 50", yscale="log")
