@@ -55,6 +55,15 @@ def base_config() -> ml_collections.ConfigDict:
     # produced the paper's numbers; its trainer's comment says 1e-2. Both learn alike at n = 20
     # (docs/results.md, "Training fidelity").
     c.aux_loss_coef = 0.001
+    # The recipe beyond the paper's (each off by default; docs/results.md, "Training recipe per CPU-hour").
+    c.grad_clip_norm = 0.0            # clip the gradient's global norm to this (0: none; RouteFinder: 1.0)
+    c.lr_schedule = "step"            # "step": the decay above; "warmup_cosine": warm-up, then a cosine
+    c.warmup_steps = 0                # warmup_cosine: linear warm-up over these optimiser steps
+    c.final_lr_fraction = 0.01        # warmup_cosine: the rate at the last epoch, as a fraction of learning_rate
+    c.train_pomo_size = 0             # POMO starts sampled per training instance (0: pomo_size)
+    c.leader_advantage = 1.0          # each instance's best start's advantage x this (1: plain POMO)
+    c.reward_normalization_alpha = 0.0  # rewards / a running mean cost per variant, this its rate (0: none)
+    c.size_curriculum = ""            # "SIZE:LAST_EPOCH,...": smaller instances first, problem_size after
     # End the run after this epoch (its checkpoint written), as if stopped there; the same command with a
     # larger value continues it. 0: run every epoch. The schedule still follows `epochs`.
     c.stop_after_epoch = 0

@@ -39,7 +39,7 @@ def _template(config: ml_collections.ConfigDict):
     """(policy config, a TrainState of the run's structure) built from its config alone."""
     plan = check_config(config)
     params = training.init_params(plan.policy, jax.random.key(0))
-    return plan.policy, training.create_train_state(params, plan.optimizer.build())
+    return plan.policy, training.create_train_state(params, plan.optimizer.build(), plan.num_cost_scales())
 
 
 def _leaves(state) -> list[tuple[str, np.ndarray]]:

@@ -93,28 +93,39 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
 
 
 def reinforce_loss(log_likelihood: jax.Array, cost: jax.Array, valid: jax.Array, aux_loss: jax.Array,
-                   aux_loss_coef: float) -> tuple[jax.Array, jax.Array]:
+                   aux_loss_coef: float, *, cost_divisor: jax.Array | None = None,
+                   leader_advantage: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """(total loss, policy-gradient part) with the POMO shared baseline over the valid starts.
 
     log_likelihood, cost, valid: (B, P). The advantage is a constant (costs come from the sampling pass).
+    cost_divisor: float (B,) or None: each instance's rewards are ``-cost / divisor`` (reward normalisation,
+    ``training.variant_cost_scale``). leader_advantage: each instance's best valid start (the first of equal
+    ones) has its advantage multiplied by this (the "leader reward" of Wang et al., 2024; 1: plain POMO).
     """
     reward = jnp.where(valid, -cost, 0.0)
+    if cost_divisor is not None:
+        reward = reward / cost_divisor[:, None]
     count = jnp.maximum(valid.sum(-1, keepdims=True), 1)
     advantage = jnp.where(valid, reward - reward.sum(-1, keepdims=True) / count, 0.0)
+    if leader_advantage != 1.0:
+        leader = jax.nn.one_hot(jnp.argmax(jnp.where(valid, reward, -jnp.inf), -1), reward.shape[-1], dtype=bool)
+        advantage = jnp.where(leader & valid, leader_advantage * advantage, advantage)
     advantage = jax.lax.stop_gradient(advantage)
     pg = -jnp.sum(advantage * log_likelihood) / jnp.maximum(valid.sum(), 1)
     return pg + aux_loss_coef * aux_loss, pg
 
 
 def reinforce_gradients(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax.Array, *,
-                        num_steps: int, aux_loss_coef: float, steps_at_once: int = 8, remat: bool = False):
+                        num_steps: int, aux_loss_coef: float, steps_at_once: int = 8, remat: bool = False,
+                        **loss_options):
     """((loss, (policy-gradient part, aux, log-likelihood (B, P))), gradient in ``params``) of the REINFORCE
     loss of the trajectories ``traj`` sampled from ``rng``, by ``jax.grad`` through ``replay`` over
-    ``num_steps`` steps (``steps_at_once`` and ``remat``: see ``replay``)."""
+    ``num_steps`` steps (``steps_at_once`` and ``remat``: see ``replay``; ``loss_options``: the keyword
+    options of ``reinforce_loss``)."""
 
     def loss_fn(p):
         ll, aux = replay(policy, p, inst, traj, rng, num_steps=num_steps, steps_at_once=steps_at_once, remat=remat)
-        loss, pg = reinforce_loss(ll, traj.cost, traj.valid, aux, aux_loss_coef)
+        loss, pg = reinforce_loss(ll, traj.cost, traj.valid, aux, aux_loss_coef, **loss_options)
         return loss, (pg, aux, ll)
 
     return jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -49,26 +49,56 @@ class NonFiniteError(RuntimeError):
 # Optimiser, state, step
 # ----------------------------------------------------------------------------------------------------
 
+LR_SCHEDULES = ("step", "warmup_cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerSettings:
-    """torch's ``Adam(lr, weight_decay)`` (L2 added to the gradient, not decoupled) with a one-step
-    ``MultiStepLR``: the rate is multiplied by ``decay_factor`` from optimiser step ``decay_step`` on."""
+    """torch's ``Adam(lr, weight_decay)`` (L2 added to the gradient, not decoupled) under a learning-rate
+    schedule, after an optional clipping of the gradient's global norm to ``clip_norm`` (0: none; the
+    norm is taken before the L2 term, as torch clips before its optimiser step).
+
+    Schedules: ``step`` (the paper's one-step ``MultiStepLR``: the rate is multiplied by ``decay_factor``
+    from optimiser step ``decay_step`` on; None: constant) and ``warmup_cosine`` (linear from 0 to
+    ``learning_rate`` over ``warmup_steps``, then a cosine down to ``final_fraction * learning_rate`` at
+    step ``total_steps``, constant after it)."""
 
     learning_rate: float
     weight_decay: float = 0.0
     decay_step: int | None = None
     decay_factor: float = 0.1
+    clip_norm: float = 0.0
+    schedule: str = "step"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    final_fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule == "warmup_cosine" and not 0 <= self.warmup_steps < self.total_steps:
+            raise ValueError(f"warmup_cosine needs 0 <= warmup_steps < the run's steps ({self.total_steps}), "
+                             f"got {self.warmup_steps}")
+
+    def rate(self) -> optax.Schedule:
+        if self.schedule == "warmup_cosine":
+            return optax.warmup_cosine_decay_schedule(0.0, self.learning_rate, self.warmup_steps, self.total_steps,
+                                                      end_value=self.learning_rate * self.final_fraction)
+        if self.decay_step is None:
+            return optax.constant_schedule(self.learning_rate)
+        return optax.piecewise_constant_schedule(self.learning_rate, {int(self.decay_step): self.decay_factor})
 
     def build(self) -> optax.GradientTransformation:
-        schedule = (optax.constant_schedule(self.learning_rate) if self.decay_step is None else
-                    optax.piecewise_constant_schedule(self.learning_rate, {int(self.decay_step): self.decay_factor}))
-        return optax.chain(optax.add_decayed_weights(self.weight_decay),
+        clip = [optax.clip_by_global_norm(self.clip_norm)] if self.clip_norm > 0 else []
+        return optax.chain(*clip, optax.add_decayed_weights(self.weight_decay),
                            optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
-                           optax.scale_by_learning_rate(schedule))
+                           optax.scale_by_learning_rate(self.rate()))
 
     def learning_rate_at(self, step: int) -> float:
-        decayed = self.decay_step is not None and step >= self.decay_step
-        return float(self.learning_rate) * (self.decay_factor if decayed else 1.0)
+        if self.schedule == "step":     # exact in float64, as the paper's schedule is stated
+            decayed = self.decay_step is not None and step >= self.decay_step
+            return float(self.learning_rate) * (self.decay_factor if decayed else 1.0)
+        return float(self.rate()(step))
 
 
 @struct.dataclass
@@ -76,11 +106,37 @@ class TrainState:
     step: jax.Array          # int32 (): optimiser steps taken
     params: Any              # {'params': ...}
     opt_state: Any
+    # float32 (V,): the running mean cost of each training variant that normalises its rewards
+    # (``variant_cost_scale``); 0 until the variant is first drawn. (0,) without reward normalisation.
+    cost_scale: Any = None
 
 
-def create_train_state(params, tx: optax.GradientTransformation) -> TrainState:
-    """Step 0 with a fresh optimiser state (on the default device; see StepFunctions.init_state)."""
-    return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
+def create_train_state(params, tx: optax.GradientTransformation, num_variants: int = 0) -> TrainState:
+    """Step 0 with a fresh optimiser state and ``num_variants`` unset cost scales (on the default device;
+    see StepFunctions.init_state)."""
+    return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                      cost_scale=jnp.zeros((num_variants,), jnp.float32))
+
+
+def variant_cost_scale(scale: jax.Array, table: jax.Array, flags: jax.Array, cost: jax.Array, valid: jax.Array,
+                       alpha: float) -> tuple[jax.Array, jax.Array]:
+    """RouteFinder's exponential reward normalisation: (updated scale (V,), each instance's divisor (B,)).
+
+    scale: float32 (V,) the running mean cost per training variant (0: not drawn yet); table: bool (V, 4)
+    the variants' flags; flags: bool (B, 4) the batch's; cost, valid: (B, P). Each variant drawn in the
+    batch moves its scale to ``(1 - alpha) * scale + alpha * m``, ``m`` its mean cost over the batch's
+    valid starts (a variant drawn for the first time takes ``m``); every instance is then divided by its
+    variant's updated scale (1 for an instance of no listed variant). RouteFinder sets every variant at its
+    first step, an undrawn one to 0, from which its average then grows; here a variant starts when drawn.
+    """
+    member = (flags[:, None, :] == table[None, :, :]).all(-1)                       # (B, V)
+    per_instance = jnp.where(valid, cost, 0.0).sum(-1) / jnp.maximum(valid.sum(-1), 1)
+    drawn = member.sum(0)
+    batch_mean = (member * per_instance[:, None]).sum(0) / jnp.maximum(drawn, 1)
+    moved = jnp.where(scale > 0, (1 - alpha) * scale + alpha * batch_mean, batch_mean)
+    scale = jnp.where(drawn > 0, moved, scale)
+    divisor = (member * scale[None, :]).sum(-1)
+    return scale, jnp.where(divisor > 0, divisor, 1.0)
 
 
 def init_params(cfg: PolicyConfig, key: jax.Array, num_customers: int = 20) -> dict:
@@ -124,10 +180,25 @@ def batch_variants(key: jax.Array, num_variants: int, batch: int, mixed: bool) -
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """What a training step needs besides its inputs (static under jit)."""
+    """What a training step needs besides its inputs (static under jit).
+
+    pomo_size: the starts sampled per instance; leader_advantage: the factor on each instance's best
+    start's advantage (1: plain POMO; see ``reinforce.reinforce_loss``); cost_scale_alpha: the rate of
+    the per-variant reward normalisation (0: none; ``variant_cost_scale``) over the training variants'
+    ``variant_flags`` (O, B, L, TW)."""
 
     pomo_size: int
     aux_loss_coef: float
+    leader_advantage: float = 1.0
+    cost_scale_alpha: float = 0.0
+    variant_flags: tuple[tuple[bool, ...], ...] = ()
+
+    @property
+    def normalises_rewards(self) -> bool:
+        return self.cost_scale_alpha > 0
+
+    def num_cost_scales(self) -> int:
+        return len(self.variant_flags) if self.normalises_rewards else 0
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
@@ -138,9 +209,14 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     ``encoded``: the stepwise backward's encoder pass, when the caller already ran it. ``mesh``: the data
     mesh of the batch (see ``stepwise_gradients``)."""
 
+    cost_scale, divisor = state.cost_scale, None
+    if settings.normalises_rewards:
+        cost_scale, divisor = variant_cost_scale(state.cost_scale, jnp.asarray(settings.variant_flags, bool),
+                                                 inst.flags, traj.cost, traj.valid, settings.cost_scale_alpha)
+    loss_options = dict(cost_divisor=divisor, leader_advantage=settings.leader_advantage)
     if policy.plan.backward == "stepwise":
         def loss_of(ll, aux):
-            return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef)
+            return reinforce_loss(ll, traj.cost, traj.valid, aux, settings.aux_loss_coef, **loss_options)
 
         # The loss is linear in (ll, aux): its partial derivatives weigh the per-step gradients.
         ll_weight, aux_weight = jax.grad(lambda ll, aux: loss_of(ll, aux)[0], argnums=(0, 1))(
@@ -151,11 +227,11 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
     else:
         (loss, (pg, aux, ll)), grads = reinforce_gradients(
             policy, state.params, inst, traj, rng, num_steps=num_steps, aux_loss_coef=settings.aux_loss_coef,
-            steps_at_once=policy.plan.replay_steps_at_once, remat=policy.plan.replay_remat)
+            steps_at_once=policy.plan.replay_steps_at_once, remat=policy.plan.replay_remat, **loss_options)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     opt_state=opt_state)
+                     opt_state=opt_state, cost_scale=cost_scale)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
     best = jnp.where(traj.valid, traj.cost, jnp.inf).min(-1)
@@ -339,7 +415,7 @@ class StepFunctions:
 
     def init_state(self, params) -> TrainState:
         """A fresh optimiser around ``params``, replicated over the mesh."""
-        return self.replicate(create_train_state(params, self.tx))
+        return self.replicate(create_train_state(params, self.tx, self.settings.num_cost_scales()))
 
     def check_batch_size(self, size: int) -> None:
         if size % self.num_devices:

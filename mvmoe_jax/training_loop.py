@@ -54,9 +54,46 @@ class RunSettings:
     steps_per_epoch: int
     last_batch: int                     # size of an epoch's last batch (the remainder, as the reference)
     optimizer: training.OptimizerSettings
+    # The size curriculum: (problem size, last epoch at that size) in order; the run's problem_size after them.
+    curriculum: tuple[tuple[int, int], ...] = ()
+    problem_size: int = 50
+    normalises_rewards: bool = False
 
     def batch_size_of(self, index: int, batch_size: int) -> int:
         return self.last_batch if index == self.steps_per_epoch - 1 else batch_size
+
+    def size_at(self, epoch: int) -> int:
+        """The problem size of the instances trained on in ``epoch`` (1-based)."""
+        return next((size for size, last in self.curriculum if epoch <= last), self.problem_size)
+
+    def num_cost_scales(self) -> int:
+        """Length of the training state's ``cost_scale`` (one per training variant under reward normalisation)."""
+        return len(self.variants) if self.normalises_rewards else 0
+
+
+def parse_size_curriculum(text: str, problem_size: int) -> tuple[tuple[int, int], ...]:
+    """``"SIZE:LAST_EPOCH,..."`` -> ((size, last epoch), ...): train on SIZE up to and including LAST_EPOCH,
+    then on the next stage's size, and on ``problem_size`` after the last stage. "": none. A ValueError for
+    sizes without a defined capacity, epochs not increasing, or a stage not of the form SIZE:LAST_EPOCH."""
+    stages = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, sep, last = part.partition(":")
+        _require(sep == ":" and size.strip().isdigit() and last.strip().isdigit(),
+                 f"size_curriculum: stage {part!r} is not SIZE:LAST_EPOCH (e.g. '20:10,50:30')")
+        stages.append((int(size), int(last)))
+    for size, last in stages:
+        _require(size in CAPACITY_BY_SIZE, f"size_curriculum: size {size} has no defined vehicle capacity "
+                 f"(one of {sorted(CAPACITY_BY_SIZE)})")
+    lasts = [last for _, last in stages]
+    _require(all(a < b for a, b in zip([0] + lasts, lasts)),
+             f"size_curriculum: the stages' last epochs must increase from 1, got {lasts}")
+    return tuple(stages)
+
+
+def train_starts(config: ml_collections.ConfigDict, num_customers: int) -> int:
+    """POMO starts sampled per training instance of ``num_customers``: ``train_pomo_size`` (0: ``pomo_size``),
+    at most one per customer."""
+    return min(int(config.get("train_pomo_size", 0)) or config.pomo_size, num_customers)
 
 
 def _require(cond: bool, message: str) -> None:
@@ -82,6 +119,17 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
     _require(config.aux_loss_coef >= 0, f"aux_loss_coef must be >= 0, got {config.aux_loss_coef}")
     _require(0 < config.lr_decay_epoch_fraction <= 1,
              f"lr_decay_epoch_fraction must be in (0, 1], got {config.lr_decay_epoch_fraction}")
+    _require(config.get("grad_clip_norm", 0.0) >= 0, f"grad_clip_norm must be >= 0 (0: no clipping), got "
+             f"{config.get('grad_clip_norm')}")
+    _require(config.get("train_pomo_size", 0) >= 0, f"train_pomo_size must be >= 0 (0: pomo_size), got "
+             f"{config.get('train_pomo_size')}")
+    _require(config.get("leader_advantage", 1.0) > 0, f"leader_advantage must be positive (1: plain POMO), got "
+             f"{config.get('leader_advantage')}")
+    _require(0 <= config.get("reward_normalization_alpha", 0.0) <= 1, "reward_normalization_alpha must be in "
+             f"[0, 1] (0: no reward normalisation), got {config.get('reward_normalization_alpha')}")
+    _require(0 <= config.get("final_lr_fraction", 0.0) <= 1,
+             f"final_lr_fraction must be in [0, 1], got {config.get('final_lr_fraction')}")
+    curriculum = parse_size_curriculum(config.get("size_curriculum", ""), n)
     _require(not config.finetune_from or os.path.exists(config.finetune_from)
              or config.finetune_from in shipped.names(),
              f"finetune_from: no checkpoint at {config.finetune_from}, nor a shipped model of that name "
@@ -103,9 +151,14 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
     # from 0-based epoch int(f * epochs) + 1 (the paper's 5000 epochs: epochs 4502..5000, 1-based).
     decay_epoch = int(config.lr_decay_epoch_fraction * config.epochs) + 1
     decay_step = decay_epoch * steps if decay_epoch < config.epochs else None
-    optimizer = training.OptimizerSettings(float(config.learning_rate), float(config.weight_decay), decay_step,
-                                           float(config.lr_decay_factor))
-    return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer)
+    optimizer = training.OptimizerSettings(
+        float(config.learning_rate), float(config.weight_decay), decay_step, float(config.lr_decay_factor),
+        clip_norm=float(config.get("grad_clip_norm", 0.0)), schedule=config.get("lr_schedule", "step"),
+        warmup_steps=int(config.get("warmup_steps", 0)), total_steps=int(config.epochs) * steps,
+        final_fraction=float(config.get("final_lr_fraction", 0.0)))
+    return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer,
+                       curriculum=curriculum, problem_size=n,
+                       normalises_rewards=config.get("reward_normalization_alpha", 0.0) > 0)
 
 
 def execution_settings(config: ml_collections.ConfigDict) -> tuple[str, dict]:
@@ -137,14 +190,21 @@ def prepare_process(config: ml_collections.ConfigDict) -> int:
     return count
 
 
-def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh) -> StepFunctions:
-    """The (cached) jitted training step of a run on ``mesh``."""
+def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh,
+                   num_customers: int | None = None) -> StepFunctions:
+    """The (cached) jitted training step of a run on ``mesh`` for instances of ``num_customers`` (default:
+    the run's problem size; a size curriculum trains on others)."""
+    n = config.problem_size if num_customers is None else num_customers
     # The MoE layers already weigh their load-balancing loss by DEFAULT_LOSS_COEF (the reference's 1e-3);
     # aux_loss_coef is the paper's alpha on the unweighted loss.
-    settings = StepSettings(pomo_size=config.pomo_size,
-                            aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF)
+    flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in run.variants)
+    settings = StepSettings(pomo_size=train_starts(config, n),
+                            aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
+                            leader_advantage=float(config.get("leader_advantage", 1.0)),
+                            cost_scale_alpha=float(config.get("reward_normalization_alpha", 0.0)),
+                            variant_flags=flags if run.normalises_rewards else ())
     return StepFunctions.cached(run.policy, execution_plan(config), run.optimizer, settings,
-                                num_customers=config.problem_size,
+                                num_customers=n,
                                 variants=run.variants, mixed=config.mixed_batches, mesh=mesh,
                                 replay_bucket_size=config.replay_bucket)
 
@@ -160,6 +220,9 @@ def checkpoint_manager(workdir: str, keep: int = 3) -> ocp.CheckpointManager:
 
 def save_checkpoint(mngr: ocp.CheckpointManager, epoch: int, state: TrainState, cfg: PolicyConfig,
                     meta: dict) -> None:
+    """The state at the end of ``epoch``: parameters and optimiser state as arrays, the per-variant cost
+    scales of reward normalisation (a few floats, exact in JSON) with the run's ``meta``."""
+    meta = dict(meta, cost_scale=np.asarray(jax.device_get(state.cost_scale), np.float32).tolist())
     mngr.save(epoch, args=ocp.args.Composite(
         params=ocp.args.StandardSave(state.params), config=ocp.args.JsonSave(cfg.to_dict()),
         opt_state=ocp.args.StandardSave(state.opt_state), train_meta=ocp.args.JsonSave(meta)))
@@ -222,7 +285,13 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
         params=ocp.args.StandardRestore(template.params), opt_state=ocp.args.StandardRestore(template.opt_state),
         train_meta=ocp.args.JsonRestore()))
     meta = got["train_meta"]
-    state = TrainState(step=jax.numpy.int32(meta["step"]), params=got["params"], opt_state=got["opt_state"])
+    scale = np.asarray(meta.get("cost_scale", []), np.float32)
+    if scale.shape != np.shape(template.cost_scale):
+        raise RunMismatchError(f"{os.path.dirname(os.fspath(mngr.directory))}: the checkpoint of epoch {epoch} "
+                               f"holds {scale.size} reward-normalisation scales, the run needs "
+                               f"{np.size(template.cost_scale)}; resume it with its stored settings")
+    state = TrainState(step=jax.numpy.int32(meta["step"]), params=got["params"], opt_state=got["opt_state"],
+                       cost_scale=jax.numpy.asarray(scale))
     return state, meta
 
 
@@ -232,7 +301,9 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 # results, and epochs with lr_decay_epoch_fraction (a run may be extended; the learning-rate schedule follows
 # the new values, so that an extension can keep the decay epoch it had or move it).
 RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
-              "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from")
+              "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from",
+              "grad_clip_norm", "lr_schedule", "warmup_steps", "final_lr_fraction", "train_pomo_size",
+              "leader_advantage", "reward_normalization_alpha", "size_curriculum")
 
 
 class RunMismatchError(ValueError):
@@ -386,8 +457,18 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
          f"with {fns.num_devices} device(s): {config.epochs} epochs x {run.steps_per_epoch} steps of "
          f"{config.batch_size}; workdir {workdir}")
     opt = run.optimizer
-    _say(f"learning rate {opt.learning_rate:g}" + ("" if opt.decay_step is None else
-         f", x{opt.decay_factor:g} from epoch {opt.decay_step // run.steps_per_epoch + 1}"))
+    if opt.schedule == "warmup_cosine":
+        _say(f"learning rate {opt.learning_rate:g} after {opt.warmup_steps} warm-up steps, cosine to "
+             f"{opt.learning_rate * opt.final_fraction:g} at step {opt.total_steps}")
+    else:
+        _say(f"learning rate {opt.learning_rate:g}" + ("" if opt.decay_step is None else
+             f", x{opt.decay_factor:g} from epoch {opt.decay_step // run.steps_per_epoch + 1}"))
+    if run.curriculum:
+        _say("size curriculum: " + ", ".join(f"n = {size} to epoch {last}" for size, last in run.curriculum)
+             + f", then n = {run.problem_size}")
+
+    def fns_of(num_customers: int) -> StepFunctions:
+        return fns if num_customers == config.problem_size else step_functions(config, run, fns.mesh, num_customers)
     meta_base = {"seed": config.seed, "rng_key_data": np.asarray(jax.random.key_data(run_key)).tolist(),
                  "steps_per_epoch": run.steps_per_epoch, "config": config.to_dict()}
     is_main = distributed.is_main()
@@ -420,10 +501,11 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
         count = 0
         bar = tqdm(range(run.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
                    disable=not (config.progress_bar and is_main))
+        epoch_fns = fns_of(run.size_at(epoch))
         for i in bar:
             size = run.batch_size_of(i, config.batch_size)
             step = (epoch - 1) * run.steps_per_epoch + i
-            state, m = fns.step(state, training.step_key(run_key, step), size)
+            state, m = epoch_fns.step(state, training.step_key(run_key, step), size)
             m = jax.device_get(m)
             if not m["finite"]:
                 last = mngr.latest_step()
@@ -438,6 +520,8 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
             count += size
             bar.set_postfix(score=f"{sums['score'] / count:.4f}", loss=f"{sums['loss'] / count:.4f}")
         bar.close()
+        if epoch_fns is not fns and run.size_at(epoch + 1) != run.size_at(epoch):
+            epoch_fns.release_buffers()
         train_s = time.perf_counter() - t0
         step = epoch * run.steps_per_epoch
         record = {"epoch": epoch, "step": step, "lr": run.optimizer.learning_rate_at(step - 1),

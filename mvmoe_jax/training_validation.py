@@ -2,7 +2,7 @@
 
 Validation is greedy POMO decoding (optionally x8 augmentation) of the first ``validation_instances`` of
 the paper's test set of each validated variant at ``<data_dir>/<VARIANT>/<variant><n>_uniform.pkl``, with
-the gap to the paper's reference solutions where they exist. A variant without a paper set at this size
+the gap to the paper's reference solutions (or a set's ``reference_`` solutions) where they exist. A variant without a paper set at this size
 (n = 20, say) is validated on a fixed generated set (seeded by ``validation_seed``) and reports the
 objective only. Every set has the same shapes, so ``rollout.greedy_evaluate`` compiles once per run.
 """
@@ -22,6 +22,16 @@ from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.rollout import greedy_evaluate
 
 
+def reference_path(data_dir: str, variant, num_customers: int) -> str | None:
+    """The reference solutions validation compares against: the paper's (its solver's file name), else a
+    ``reference_`` file (sets built by scripts/make_validation_sets.py); None when neither exists."""
+    for solver in (None, "reference"):
+        path = io.reference_solution_path(data_dir, variant, num_customers, solver=solver)
+        if os.path.exists(path):
+            return path
+    return None
+
+
 class Validator:
     """Fixed validation sets of one run and their evaluation."""
 
@@ -39,9 +49,9 @@ class Validator:
             path = io.dataset_path(data_dir, var, num_customers) if data_dir else ""
             if path and os.path.exists(path):
                 inst = io.load_paper_instances(path, var, num_instances=num_instances)
-                ref_path = io.reference_solution_path(data_dir, var, num_customers)
+                ref_path = reference_path(data_dir, var, num_customers)
                 ref = None
-                if os.path.exists(ref_path):
+                if ref_path is not None:
                     ref, _ = io.load_paper_solutions(ref_path, num_instances=inst.locs.shape[0])
                     ref = ref if len(ref) == inst.locs.shape[0] else None
                 self.sets[var.name] = (inst, ref, path)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from conftest import REPO_ROOT
@@ -319,10 +320,18 @@ def _strip_time(rows):
     return [{k: v for k, v in r.items() if k != "time"} for r in rows]
 
 
+# Every field of the recipe beyond the paper's (tests/test_recipe.py), so that resuming is exact under each: the
+# reward normalisation's running scales, the schedule, the starts and the size curriculum's switch (n = 20 for
+# epochs 1-3, then the run's n = 50). The paper's recipe resumes in test_kill_resume.py.
+RECIPE = dict(grad_clip_norm=1.0, lr_schedule="warmup_cosine", warmup_steps=2, train_pomo_size=10,
+              leader_advantage=3.0, reward_normalization_alpha=0.25, mixed_batches=True, size_curriculum="20:3",
+              problem_size=50, pomo_size=50, validation_problems="CVRP,OVRPTW")
+
+
 def test_resume_continues_exactly(tmp_path):
-    straight = tiny_config(tmp_path / "straight")
+    straight = tiny_config(tmp_path / "straight", **RECIPE)
     training_loop.train_and_evaluate(straight)
-    resumed = tiny_config(tmp_path / "resumed")
+    resumed = tiny_config(tmp_path / "resumed", **RECIPE)
     resumed.stop_after_epoch = 2
     training_loop.train_and_evaluate(resumed)                                 # stopped after epoch 2
     with training_loop.checkpoint_manager(resumed.workdir) as mngr:
@@ -347,16 +356,23 @@ def test_resume_continues_exactly(tmp_path):
 
     # Fine-tuning starts from the trained parameters (its first validation is the source run's last)
     # with a fresh optimiser.
-    tuned = tiny_config(tmp_path / "tuned", epochs=1, finetune_from=straight.workdir)
+    tuned = tiny_config(tmp_path / "tuned", stop_after_epoch=1, finetune_from=straight.workdir, **RECIPE)
     training_loop.train_and_evaluate(tuned)
     rows3 = training_validation.read_metrics(os.path.join(tuned.workdir, "metrics.jsonl"))
     assert rows3[0]["val"] == rows1[-1]["val"] and rows3[-1]["step"] == 2
+    # The cosine decayed; the reward normalisation's scales were saved, one per training variant.
+    assert rows1[-1]["lr"] < rows1[1]["lr"]
+    with training_loop.checkpoint_manager(resumed.workdir) as mngr:
+        meta = mngr.restore(4, args=ocp.args.Composite(train_meta=ocp.args.JsonRestore()))["train_meta"]
+    assert len(meta["cost_scale"]) == 3 and min(meta["cost_scale"]) > 0
 
-    # Another model in the same workdir is refused.
-    other = tiny_config(tmp_path / "resumed", epochs=5)
+    # Another model in the same workdir is refused, and so is another recipe, naming the field.
+    other = tiny_config(tmp_path / "resumed", epochs=5, **RECIPE)
     other.model.embedding_dim = 32
     with pytest.raises(ValueError, match="another model"):
         training_loop.train_and_evaluate(other)
+    with pytest.raises(ValueError, match="leader_advantage"):
+        training_loop.train_and_evaluate(tiny_config(tmp_path / "resumed", **dict(RECIPE, leader_advantage=2.0)))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):

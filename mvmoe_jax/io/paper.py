@@ -152,3 +152,34 @@ def reference_solution_path(data_dir, variant, size: int, solver: str | None = N
     var = problems.get_variant(variant)
     solver = reference_solver(var, size) if solver is None else solver
     return os.path.join(os.fspath(data_dir), var.name, f"{solver}_{var.lower}{size}_uniform.pkl")
+
+
+def save_paper_instances(path: str | os.PathLike, inst: Instance, capacity: float) -> None:
+    """Write a batch of one variant's instances in the paper's instance format (the inverse of
+    ``load_paper_instances``), demands as raw units of a vehicle of ``capacity``. A ValueError if the batch
+    mixes variants or a demand is not a whole number of units. Read back, demands may differ from the batch's by float32
+    rounding (the reader divides in float64)."""
+    import pickle
+
+    host = {k: np.asarray(v) for k, v in vars(inst).items()}
+    flags = np.stack([host["is_open"], host["has_backhaul"], host["has_limit"], host["has_tw"]], -1)
+    if not (flags == flags[0]).all():
+        raise ValueError("save_paper_instances: the batch mixes variants; one file holds one variant")
+    has_limit, has_tw = bool(flags[0, 2]), bool(flags[0, 3])
+    raw = host["demand"][:, 1:].astype(np.float64) * capacity
+    units = np.rint(raw)
+    if np.abs(raw - units).max(initial=0.0) > 1e-3:
+        raise ValueError(f"save_paper_instances: demands are not whole units of a capacity of {capacity:g}")
+    rows = []
+    for i in range(units.shape[0]):
+        row = [host["locs"][i, :1].tolist(), host["locs"][i, 1:].tolist(), units[i].astype(int).tolist(),
+               float(capacity)]
+        if has_limit:
+            row.append(float(host["route_limit"][i]))
+        if has_tw:
+            row += [host["service_time"][i, 1:].tolist(), host["tw_start"][i, 1:].tolist(),
+                    host["tw_end"][i, 1:].tolist()]
+        rows.append(tuple(row))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:
+        pickle.dump(rows, f, protocol=4)
