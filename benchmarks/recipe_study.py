@@ -7,8 +7,8 @@ on fixed sets with reference solutions) against CPU seconds and against instance
         --output=benchmarks/results/recipe_study_n20.json
 
 Each run is ``train.py`` with ``configs/mvmoe.py`` and the arm's config fields, pinned to one core
-(``taskset``, one XLA thread), ``--parallel`` runs at a time, so that a run's training seconds are its CPU
-seconds. A run whose workdir already holds its last epoch is not run again (``--summarize_only`` runs none),
+(``taskset``, one XLA thread), ``--parallel`` runs at a time; runs are compared at equal training CPU seconds
+(the process's CPU time, which other load on the machine does not inflate as it does wall time). A run whose workdir already holds its last epoch is not run again (``--summarize_only`` runs none),
 so an interrupted study continues. The report holds every validation point of every run, and per arm the
 mean over seeds at the last point all its seeds reached, with the seeds' spread; a plot of the gap against
 CPU seconds is written beside it (``.png``).
@@ -116,15 +116,17 @@ def run_all(runs: list[tuple[str, int]], args) -> None:
 
 
 def run_points(workdir: str) -> list[dict]:
-    """Every validation point of a run: epoch, instances, cumulative training seconds (compilation
-    included), mean gap over the training variants, the unseen ones and all, and the gap per variant."""
+    """Every validation point of a run: epoch, instances, cumulative training CPU seconds (the process's, all
+    its threads; compilation included), mean gap over the training variants, the unseen ones and all, and
+    the gap per variant."""
     rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
     trained = set(problems.TRAIN_VARIANTS)
     seconds = instances = 0.0
     points = []
     for r in rows:
-        seconds += r.get("time", {}).get("train_seconds", 0.0)
-        instances += r.get("time", {}).get("instances_per_second", 0.0) * r.get("time", {}).get("train_seconds", 0.0)
+        t = r.get("time", {})
+        seconds += t.get("train_cpu_seconds", 0.0)
+        instances += t.get("instances_per_second", 0.0) * t.get("train_seconds", 0.0)
         if "val" not in r:
             continue
         gaps = {k: v["gap"] for k, v in r["val"].items()}

@@ -496,7 +496,7 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
         _say(f"epoch {start_epoch} reached: nothing to do before stop_after_epoch={stop_after_epoch}")
         return record
     for epoch in range(start_epoch + 1, config.epochs + 1):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         sums = {k: 0.0 for k in ("loss", "pg_loss", "aux_loss", "score", "grad_norm")}
         count = 0
         bar = tqdm(range(run.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
@@ -522,11 +522,12 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
         bar.close()
         if epoch_fns is not fns and run.size_at(epoch + 1) != run.size_at(epoch):
             epoch_fns.release_buffers()
-        train_s = time.perf_counter() - t0
+        train_s, train_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         step = epoch * run.steps_per_epoch
         record = {"epoch": epoch, "step": step, "lr": run.optimizer.learning_rate_at(step - 1),
                   "train": {k: v / count for k, v in sums.items()},
-                  "time": {"train_seconds": train_s, "instances_per_second": count / train_s}}
+                  "time": {"train_seconds": train_s, "instances_per_second": count / train_s,
+                           "train_cpu_seconds": train_cpu_s}}
         _say(f"epoch {epoch}/{config.epochs}: score {record['train']['score']:.4f}  loss "
              f"{record['train']['loss']:.4f}  aux {record['train']['aux_loss']:.5f}  "
              f"{count / train_s:.1f} inst/s  ({train_s:.1f}s)")

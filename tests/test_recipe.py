@@ -161,11 +161,12 @@ def test_every_study_arm_is_a_valid_run_config_and_points_are_read_back(tmp_path
     work.mkdir()
     gaps = {v: 1.0 + i for i, v in enumerate(problems.VARIANT_NAMES)}
     rows = [{"epoch": 0, "step": 0, "time": {}, "val": {v: {"obj": 1, "gap": g} for v, g in gaps.items()}},
-            {"epoch": 1, "step": 10, "time": {"train_seconds": 20.0, "instances_per_second": 64.0},
+            {"epoch": 1, "step": 10, "time": {"train_seconds": 20.0, "instances_per_second": 64.0,
+                                                     "train_cpu_seconds": 19.0},
              "val": {v: {"obj": 1, "gap": g / 2} for v, g in gaps.items()}}]
     (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     points = study.run_points(str(work))
     trained = [gaps[v] for v in problems.TRAIN_VARIANTS]
-    assert points[1]["instances"] == 1280 and points[1]["train_seconds"] == 20.0
+    assert points[1]["instances"] == 1280 and points[1]["train_seconds"] == 19.0
     assert points[1]["trained"] == pytest.approx(np.mean(trained) / 2)
     assert points[0]["all"] == pytest.approx(np.mean(list(gaps.values())))
