@@ -54,9 +54,12 @@ def _assert_per_instance_parity(ours, torch_fixtures, name, label):
 
 
 # The gpu preset runs with the slow tests: on a CPU it is a combination no user runs, and each of its fields is
-# checked against the reference in tests/test_execution_plan.py.
-@pytest.mark.parametrize("preset", ["cpu", "reference", pytest.param("gpu", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["mtl", "moe"])
+# checked against the reference in tests/test_execution_plan.py. So does POMO-MTL under the reference plan: its
+# model is MVMoE's without the MoE layers, and MVMoE runs that plan in the default suite (and POMO-MTL the cpu one).
+@pytest.mark.parametrize("name,preset", [
+    ("mtl", "cpu"), pytest.param("mtl", "reference", marks=pytest.mark.slow),
+    pytest.param("mtl", "gpu", marks=pytest.mark.slow),
+    ("moe", "cpu"), ("moe", "reference"), pytest.param("moe", "gpu", marks=pytest.mark.slow)])
 def test_per_instance_parity(torch_fixtures, evaluations, name, preset):
     _assert_per_instance_parity(evaluations(name, preset), torch_fixtures, name, f"{name} ({preset} plan)")
 
@@ -69,7 +72,8 @@ def test_per_instance_parity_with_score_bounds(torch_fixtures):
     _assert_per_instance_parity(ours, torch_fixtures, "moe", "moe with the score bounds")
 
 
-@pytest.mark.parametrize("preset", ["cpu", "reference"])
+# The reference plan with the slow tests: MVMoE runs it above, and MVMoE-L's own part, its gate, runs the cpu plan here.
+@pytest.mark.parametrize("preset", ["cpu", pytest.param("reference", marks=pytest.mark.slow)])
 def test_light_model_means(torch_fixtures, evaluations, preset):
     """MVMoE-L samples its dense-or-sparse gate at every step, in evaluation too: compare means."""
     ours = evaluations("moe_light", preset)
