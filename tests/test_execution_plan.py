@@ -93,7 +93,18 @@ def reference_greedy(params, batch):
     return _greedy(REFERENCE, params, batch)
 
 
-@pytest.mark.parametrize("field", sorted(FIELD_CASES))
+# Fields that only training reads: the greedy evaluation compiles to the reference's program (the first line) or,
+# for the cases that need the decoder record, to fused_readout's. Their cases run with the slow tests; the others
+# in the default suite.
+TRAINING_ONLY = ("attention_vjp", "backward", "products_against_transposes", "replay_remat", "replay_steps_at_once",
+                 "sampling_chunk_trajectories", "keys_major_weights", "row_sums_from_output", "reuse_sampling")
+# Fields that take effect at larger sizes only: lane reductions from 32 nodes on, so that at these 21 both tests
+# compile the reference's programs (tests/test_fast_paths.py checks the reductions in lanes). With the slow tests.
+LARGER_SIZES_ONLY = ("lane_reductions",)
+
+
+@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in TRAINING_ONLY + LARGER_SIZES_ONLY
+                                   else f for f in sorted(FIELD_CASES)])
 def test_one_field_decodes_the_reference_tours(field, params, batch, reference_greedy):
     """Greedy x8 from every start: the same best tour of every instance, the same costs to float rounding."""
     got = _greedy(REFERENCE.replace(**FIELD_CASES[field]), params, batch)
@@ -132,8 +143,8 @@ FORWARD_ONLY = ("gates_by_rank", "grouped_by_expert", "score_bound_instances", "
                 "query_table_max_columns")
 
 
-@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in FORWARD_ONLY else f
-                                   for f in sorted(FIELD_CASES)])
+@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in FORWARD_ONLY + LARGER_SIZES_ONLY
+                                   else f for f in sorted(FIELD_CASES)])
 def test_one_field_takes_the_reference_training_step(field, params, batch, reference_step):
     """The same sampled tours (equal mean cost) and, for every parameter, the reference's gradient."""
     score, grads = _training_step(REFERENCE.replace(**FIELD_CASES[field]), params, batch)
