@@ -3,7 +3,7 @@ several seeds each, and compare the validation gap (greedy from all starts, no a
 on fixed sets with reference solutions) against CPU seconds and against instances.
 
     python scripts/make_validation_sets.py benchmarks/data/validation_n20 --size=20 --instances=100
-    python benchmarks/recipe_study.py --runs_dir=/tmp/recipe_study --budget_seconds=540 --seeds=1,2 \
+    python benchmarks/recipe_study.py --runs_dir=/tmp/recipe_study --epochs=5 --seeds=1,2 \
         --output=benchmarks/results/recipe_study_n20.json
 
 Each run is ``train.py`` with ``configs/mvmoe.py`` and the arm's config fields, pinned to one core
@@ -39,7 +39,7 @@ ROUTEFINDER = dict(batch_size=256, learning_rate=3e-4, mixed_batches=True, rewar
 
 def arm_overrides(name: str, problem_size: int, planned_steps: int) -> dict:
     """The config fields an arm sets on top of configs/mvmoe.py (the paper's recipe). ``planned_steps``: the
-    optimiser steps the budget is expected to allow (the cosine schedule ends there)."""
+    run's optimiser steps (the cosine schedule ends there)."""
     arms = {
         "paper": {},
         "routefinder": ROUTEFINDER,
@@ -60,20 +60,17 @@ ARMS = ("paper", "routefinder", "rf_warmup_cosine", "rf_half_starts", "rf_leader
 
 
 def run_command(arm: str, seed: int, args) -> tuple[list[str], str, int]:
-    """(train.py command, workdir, planned epochs) of one run."""
+    """(train.py command, workdir, epochs) of one run: ``args.epochs`` epochs of ``args.epoch_instances``, an
+    arm that halves the cost of an instance (fewer starts) twice as many, so that every arm reaches the CPU
+    time at which the arms are compared."""
+    epochs = args.epochs * (2 if arm_overrides(arm, args.problem_size, 1).get("train_pomo_size") else 1)
     batch = arm_overrides(arm, args.problem_size, 1).get("batch_size", 128)
-    planned_instances = args.budget_seconds * args.expected_rate
-    epochs = max(2, round(planned_instances / args.epoch_instances))
     steps = epochs * math.ceil(args.epoch_instances / batch)
     fields = dict(seed=seed, problem_size=args.problem_size, pomo_size=args.problem_size,
-                  train_episodes=args.epoch_instances, validation_problems="ALL",
+                  train_episodes=args.epoch_instances, epochs=epochs, validation_problems="ALL",
                   validation_instances=args.validation_instances, validation_batch_size=args.validation_instances,
-                  validate_every_epochs=1, data_dir=args.data_dir, keep_checkpoints=1, progress_bar=False,
-                  time_limit_seconds=args.budget_seconds)
+                  validate_every_epochs=1, data_dir=args.data_dir, keep_checkpoints=1, progress_bar=False)
     fields.update(arm_overrides(arm, args.problem_size, steps))
-    # Runs end on the time limit; the planned epochs only place the cosine schedule's end (and the step
-    # schedule's decay, which the time limit comes before).
-    fields["epochs"] = epochs if fields.get("lr_schedule") == "warmup_cosine" else 10 * epochs
     workdir = os.path.join(args.runs_dir, f"{arm}_seed{seed}")
     cmd = [sys.executable, str(REPO / "train.py"), f"--config={REPO / 'configs' / 'mvmoe.py'}",
            f"--config.workdir={workdir}", "--config.execution.cpu_devices=1"]
@@ -159,7 +156,8 @@ def summarize(runs: list[tuple[str, int]], args) -> dict:
     for arm, seeds in by_arm.items():
         at = [_at_seconds(pts, common) for pts in seeds.values() if pts]
         arms[arm]["at_common_seconds"] = {k: _mean_spread([p[k] for p in at]) for k in ("trained", "unseen", "all")}
-    return {"problem_size": args.problem_size, "budget_seconds": args.budget_seconds, "cpu": cpu_model(),
+    return {"problem_size": args.problem_size, "epochs": args.epochs, "epoch_instances": args.epoch_instances,
+            "cpu": cpu_model(),
             "data_dir": args.data_dir, "common_seconds": common, "arms": arms,
             "runs": {arm: {str(s): pts for s, pts in seeds.items()} for arm, seeds in by_arm.items()}}
 
@@ -224,14 +222,12 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--problem_size", type=int, default=20)
-    p.add_argument("--budget_seconds", type=float, default=540.0, help="wall seconds per run (train.py's limit)")
-    p.add_argument("--expected_rate", type=float, default=60.0,
-                   help="training instances per second on one core, to plan the cosine schedule's length")
+    p.add_argument("--epochs", type=int, default=5, help="epochs per run (twice as many for fewer starts)")
     p.add_argument("--epoch_instances", type=int, default=5120)
     p.add_argument("--validation_instances", type=int, default=100)
     p.add_argument("--data_dir", default=str(REPO / "benchmarks" / "data" / "validation_n20"))
     p.add_argument("--parallel", type=int, default=2, help="runs at a time, one core each")
-    p.add_argument("--nice", type=int, default=5)
+    p.add_argument("--nice", type=int, default=0, help="the runs' priority (nice); negative needs root")
     p.add_argument("--summarize_only", action="store_true")
     p.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "recipe_study_n20.json"))
     args = p.parse_args(argv)

@@ -147,7 +147,7 @@ def test_validation_sets_with_reference_solutions_give_gaps(tmp_path):
 def test_every_study_arm_is_a_valid_run_config_and_points_are_read_back(tmp_path):
     study = script_module("benchmarks/recipe_study.py")
     args = study.main.__globals__["argparse"].Namespace(
-        problem_size=20, budget_seconds=60.0, expected_rate=60.0, epoch_instances=1280, validation_instances=10,
+        problem_size=20, epochs=2, epoch_instances=1280, validation_instances=10,
         data_dir=str(tmp_path), runs_dir=str(tmp_path))
     for arm in study.ARMS:
         cmd, workdir, _ = study.run_command(arm, 1, args)
@@ -157,6 +157,7 @@ def test_every_study_arm_is_a_valid_run_config_and_points_are_read_back(tmp_path
                 key, value = a[len("--config."):].split("=", 1)
                 config[key] = type(config[key])(value) if not isinstance(config[key], bool) else value == "True"
         training_loop.check_config(config)
+    assert [study.run_command(arm, 1, args)[2] for arm in ("paper", "rf_half_starts")] == [2, 4]
     work = tmp_path / "paper_seed1"
     work.mkdir()
     gaps = {v: 1.0 + i for i, v in enumerate(problems.VARIANT_NAMES)}
