@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -507,12 +508,24 @@ def test_resuming_with_other_run_settings_is_refused_naming_them(tmp_path, capsy
     assert rates[3] == pytest.approx(1e-3) and rates[4] == pytest.approx(1e-4)
 
 
+@pytest.fixture(scope="module")
+def straight_and_stopped_runs(tmp_path_factory):
+    """A run trained straight through its 4 epochs and the same run stopped after epoch 2 (their workdirs), for
+    the tests below to copy: a workdir may move between calls."""
+    root = tmp_path_factory.mktemp("runs")
+    training_loop.train_and_evaluate(tiny_config(root / "straight"))
+    training_loop.train_and_evaluate(tiny_config(root / "stopped", stop_after_epoch=2))
+    return root / "straight", root / "stopped"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "overwritten"])
-def test_a_damaged_latest_checkpoint_is_named_and_the_run_goes_on_from_the_one_before(tmp_path, capsys, damage):
-    straight = tiny_config(tmp_path / "straight")
-    training_loop.train_and_evaluate(straight)
+def test_a_damaged_latest_checkpoint_is_named_and_the_run_goes_on_from_the_one_before(
+        tmp_path, capsys, damage, straight_and_stopped_runs):
+    straight_dir, stopped_dir = straight_and_stopped_runs
+    shutil.copytree(stopped_dir, tmp_path / "run")
     run = tiny_config(tmp_path / "run", stop_after_epoch=2)
-    training_loop.train_and_evaluate(run)
+    with training_loop.checkpoint_manager(run.workdir) as mngr:
+        assert mngr.latest_step() == 2
     data = [os.path.join(root, f) for root, _, files in os.walk(os.path.join(run.workdir, "checkpoints", "2", "params"))
             for f in files if os.sep + "d" + os.sep in os.path.join(root, f)]
     assert data
@@ -529,6 +542,6 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_run_goes_on_from_the_one_b
     out = capsys.readouterr().out
     assert f"the checkpoint of epoch 2 ({os.path.join(run.workdir, 'checkpoints', '2')}) cannot be read" in out
     assert "falling back to epoch 1" in out and "resuming" in out and last["epoch"] == 4
-    _, p1 = checkpoints.load_policy(straight.workdir)
+    _, p1 = checkpoints.load_policy(str(straight_dir))
     _, p2 = checkpoints.load_policy(run.workdir)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), p1, p2)
