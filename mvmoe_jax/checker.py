@@ -19,6 +19,7 @@ import numpy as np
 
 from mvmoe_jax import env
 from mvmoe_jax.instances import Instance
+from mvmoe_jax.problems import CLASSIC_RULE, PAPER_RULE
 
 # Rule index returned for a route that ends before every customer is served.
 UNSERVED = len(env.RULES)
@@ -192,24 +193,54 @@ def actions_to_route(actions) -> list[int]:
     return out
 
 
+def _allowed(state: env.State, j) -> jax.Array:
+    """bool (): no rule of ``env.violations`` forbids the move to node j."""
+    return ~jnp.any(env.violations(state)[:, j])
+
+
 def _depot_roundtrip_ok(inst: Instance) -> jax.Array:
     """bool (n,) for one instance: can customer i be served on a route of its own?
 
-    Linehauls from the full vehicle at the depot; backhauls from the state the environment reaches once
-    every linehaul is served (at the depot, leaving empty).
+    Linehauls, and backhauls under the mixed rule, from the full vehicle at the depot; backhauls under the paper
+    rule from the state the environment reaches once every linehaul is served (at the depot, leaving empty).
+    Under the classic rule a backhaul needs a linehaul before it: see ``_classic_backhaul_ok``.
     """
     start = env.reset(inst)
     empty = start.replace(visited=start.visited | (inst.demand > 0), load=jnp.float32(0.0))
+    paper = inst.backhaul_rule == PAPER_RULE
 
     def one(i):
-        s = jax.tree.map(lambda a, b: jnp.where(inst.demand[i] < 0, a, b), empty, start)
-        return env.action_mask(s)[i] & env.action_mask(env.step(s, i))[0]
+        s = jax.tree.map(lambda a, b: jnp.where(paper & (inst.demand[i] < 0), a, b), empty, start)
+        return _allowed(s, i) & _allowed(env.step(s, i), 0)
 
     return jax.vmap(one)(jnp.arange(1, inst.locs.shape[0]))
 
 
-unreachable_customers = jax.jit(jax.vmap(lambda inst: ~_depot_roundtrip_ok(inst)))
-unreachable_customers.__doc__ = "bool (B, n): customers no route of this environment can serve."
+def _classic_backhaul_ok(inst: Instance) -> jax.Array:
+    """bool (n,) for one instance under the classic rule: customer i can be served on a route of one linehaul l
+    and then i (for a linehaul, on its own). Every rule is checked at each move; the move to i already
+    ensures the way back to the depot (closed routes), and an open route needs none. O(n^2) per instance."""
+    start = env.reset(inst)
+    customers = jnp.arange(1, inst.locs.shape[0])
+    first = jax.vmap(lambda l: _allowed(start, l))(customers) & (inst.demand[1:] >= 0)          # (n,)
+    then = jax.vmap(lambda l: ~jnp.any(env.violations(env.step(start, l)), axis=0)[1:])(customers)  # (n, n)
+    via_linehaul = jnp.any(first[:, None] & then, axis=0)
+    return jnp.where(inst.demand[1:] < 0, via_linehaul, _depot_roundtrip_ok(inst))
+
+
+_unreachable_any_rule = jax.jit(jax.vmap(lambda inst: ~_depot_roundtrip_ok(inst)))
+_unreachable_classic = jax.jit(jax.vmap(lambda inst: jnp.where(
+    (inst.backhaul_rule == CLASSIC_RULE) & inst.has_backhaul, ~_classic_backhaul_ok(inst), ~_depot_roundtrip_ok(inst))))
+
+
+def needs_classic_check(inst: Instance) -> bool:
+    """Whether any instance of ``inst`` (single or batched) has backhauls under the classic rule (host-side)."""
+    return bool(np.any((np.asarray(inst.backhaul_rule) == CLASSIC_RULE) & np.asarray(inst.has_backhaul)))
+
+
+def unreachable_customers(inst: Instance) -> jax.Array:
+    """bool (B, n): customers no route of this environment can serve (a batched Instance)."""
+    return (_unreachable_classic if needs_classic_check(inst) else _unreachable_any_rule)(inst)
 
 
 def validate_instances(inst: Instance, source: str = "dataset") -> None:
@@ -234,7 +265,7 @@ def unservable_reasons(inst: Instance, *, scale: float = 1.0, node_name=lambda i
     ``node_name(i)`` names customer i (1..n) as the file numbers it. Empty when every customer is servable.
     Without time windows and route limits only the capacity can stand in the way, and that is checked without
     compiling the replay."""
-    if bool(inst.has_tw) or bool(inst.has_limit):
+    if bool(inst.has_tw) or bool(inst.has_limit) or needs_classic_check(inst):
         batched = jax.tree.map(lambda x: jnp.asarray(x)[None], inst)
         bad = np.flatnonzero(np.asarray(unreachable_customers(batched))[0]) + 1
     else:
@@ -244,6 +275,7 @@ def unservable_reasons(inst: Instance, *, scale: float = 1.0, node_name=lambda i
     f = {k: np.asarray(getattr(inst, k), np.float64) for k in ("locs", "demand", "service_time", "tw_start",
                                                                "tw_end", "route_limit")}
     is_open, has_tw, has_limit = (bool(getattr(inst, k)) for k in ("is_open", "has_tw", "has_limit"))
+    classic = needs_classic_check(inst)
     d0 = np.sqrt(((f["locs"] - f["locs"][0]) ** 2).sum(-1))
     eps = env.EPS
     out = []
@@ -258,10 +290,15 @@ def unservable_reasons(inst: Instance, *, scale: float = 1.0, node_name=lambda i
         elif has_tw and not is_open and start + f["service_time"][i] + d > f["tw_end"][0] + eps:
             why = (f"a vehicle serving it is back at the depot at {(start + f['service_time'][i] + d) * scale:.6g} "
                    f"at the earliest, after the depot closes at {f['tw_end'][0] * scale:.6g}")
+        elif q < 0 and classic and not np.any(f["demand"][1:] >= 0):
+            why = "under the classic backhaul rule a route starts with a linehaul, and the instance has none"
         elif has_limit and (d if is_open else 2 * d) > f["route_limit"] + eps:
             trip = "the way from the depot" if is_open else "its round trip from the depot"
             why = (f"{trip} ({(d if is_open else 2 * d) * scale:.6g}) is longer than the route limit "
                    f"{f['route_limit'] * scale:.6g}")
+        elif q < 0 and classic:
+            why = ("under the classic backhaul rule it must follow a linehaul, and no route of one linehaul and it "
+                   "keeps the time windows and the route limit")
         else:
             why = "no route of its own can serve it under the environment's rules"
         out.append(f"{node_name(i)}: {why}")

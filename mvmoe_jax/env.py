@@ -22,12 +22,13 @@ from jax import lax
 from flax import struct
 
 from mvmoe_jax.instances import Instance
+from mvmoe_jax.problems import CLASSIC_RULE, MIXED_RULE, PAPER_RULE
 
 EPS = 1e-5
 
 # Feasibility rules, in the order of docs/environment.md; ``violations`` returns one row per rule.
-RULES = ("visited", "capacity", "backhaul_overload", "route_limit", "time_window", "depot_closing",
-         "finished")
+RULES = ("visited", "capacity", "backhaul_overload", "backhaul_order", "route_limit", "time_window",
+         "depot_closing", "finished")
 
 
 @struct.dataclass
@@ -38,7 +39,12 @@ class State:
       instance:  the Instance being solved.
       distances: float32 (n+1, n+1) distances between nodes, computed once at reset (see distance_matrix).
       current:   int32 ()      node the vehicle stands on.
-      load:      float32 ()    remaining load (capacity normalised to 1).
+      load:      float32 ()    paper rule: the load on board of a vehicle that left full (capacity 1); classic
+                               and mixed rules: the room left for the route's next delivery.
+      delivered: float32 ()    deliveries made on the current route (0 at the depot).
+      picked:    float32 ()    pickups made on the current route (0 at the depot).
+      peak:      float32 ()    the largest ``picked - delivered`` at any point of the current route so far, 0
+                               at the depot (mixed rule: what the vehicle carries above the route's deliveries).
       time:      float32 ()    time after serving ``current`` (0 without TW, 0 at the depot).
       length:    float32 ()    length of the current route (0 at the depot).
       cost:      float32 ()    total tour length so far (open variants: moves into the depot cost 0).
@@ -51,6 +57,9 @@ class State:
     distances: jax.Array
     current: jax.Array
     load: jax.Array
+    delivered: jax.Array
+    picked: jax.Array
+    peak: jax.Array
     time: jax.Array
     length: jax.Array
     cost: jax.Array
@@ -84,7 +93,7 @@ def _initial(inst: Instance) -> State:
     n1 = inst.locs.shape[-2]
     f32 = lambda v: jnp.asarray(v, jnp.float32)
     return State(instance=inst, distances=distance_matrix(inst.locs), current=jnp.int32(0), load=f32(1.0),
-                 time=f32(0.0), length=f32(0.0), cost=f32(0.0), visited=jnp.zeros((n1,), bool),
+                 delivered=f32(0.0), picked=f32(0.0), peak=f32(0.0), time=f32(0.0), length=f32(0.0), cost=f32(0.0), visited=jnp.zeros((n1,), bool),
                  finished=jnp.asarray(False), num_steps=jnp.int32(-1))
 
 
@@ -100,19 +109,26 @@ def step(state: State, action: jax.Array) -> State:
     d = state.distances[state.current, a]
     at_depot = a == 0
 
-    load = jnp.where(at_depot, 1.0, state.load - inst.demand[a])
+    paper_load = jnp.where(at_depot, 1.0, state.load - inst.demand[a])
+    delivered = jnp.where(at_depot, 0.0, state.delivered + jnp.maximum(inst.demand[a], 0.0))
+    picked = jnp.where(at_depot, 0.0, state.picked + jnp.maximum(-inst.demand[a], 0.0))
+    peak = jnp.where(at_depot, 0.0, jnp.maximum(state.peak, picked - delivered))
     length = jnp.where(at_depot, 0.0, state.length + d)
     arrival = jnp.maximum(state.time + d, inst.tw_start[a]) + inst.service_time[a]
     time = jnp.where(at_depot | ~inst.has_tw, 0.0, arrival)
 
     visited = state.visited.at[a].set(True).at[0].set(at_depot)
-    # Back at the depot with only backhauls left: the vehicle leaves empty and picks up.
+    # Paper rule: back at the depot with only backhauls left, the vehicle leaves empty and picks up.
     linehaul_left = jnp.any(~visited & (inst.demand > 0))
-    load = jnp.where(at_depot & ~linehaul_left, 0.0, load)
+    paper_load = jnp.where(at_depot & ~linehaul_left, 0.0, paper_load)
+    rule = inst.backhaul_rule
+    load = jnp.where(rule == PAPER_RULE, paper_load,
+                     1.0 - delivered - jnp.where(rule == MIXED_RULE, peak, 0.0))
 
     step_cost = jnp.where(inst.is_open & at_depot, 0.0, d)
     return state.replace(
-        current=a, load=load.astype(jnp.float32), time=time.astype(jnp.float32),
+        current=a, load=load.astype(jnp.float32), delivered=delivered.astype(jnp.float32),
+        picked=picked.astype(jnp.float32), peak=peak.astype(jnp.float32), time=time.astype(jnp.float32),
         length=length.astype(jnp.float32), cost=state.cost + step_cost, visited=visited,
         finished=state.finished | jnp.all(visited), num_steps=state.num_steps + 1)
 
@@ -127,8 +143,17 @@ def violations(state: State) -> jax.Array:
     close = inst.tw_end[0]
 
     visited = state.visited
+    rule = inst.backhaul_rule
+    is_back = demand < 0
     capacity = state.load + EPS < demand
-    overload = inst.has_backhaul & (state.load - demand > 1.0 + EPS)
+    # Pickups: paper, the load on board (vehicle left full) stays within capacity; classic and mixed, the
+    # route's pickups fit the capacity.
+    on_board = jnp.where(rule == PAPER_RULE, state.load, state.picked)
+    overload = inst.has_backhaul & (on_board - demand > 1.0 + EPS)
+    # Classic: a route starts with a linehaul, and no linehaul follows a backhaul.
+    after_pickup = state.picked > 0
+    order = ((rule == CLASSIC_RULE) & inst.has_backhaul & ~is_depot
+             & jnp.where(is_back, state.current == 0, after_pickup))
     closed_limit = state.length + d_cur + d_depot > inst.route_limit + EPS
     open_limit = (state.length + d_cur > inst.route_limit + EPS) & ~is_depot
     route_limit = inst.has_limit & jnp.where(inst.is_open, open_limit, closed_limit)
@@ -137,16 +162,43 @@ def violations(state: State) -> jax.Array:
     time_window = inst.has_tw & late
     depot_closing = inst.has_tw & ~inst.is_open & (start + inst.service_time + d_depot > close + EPS)
 
-    rules = jnp.stack([visited, capacity, overload, route_limit, time_window, depot_closing,
+    rules = jnp.stack([visited, capacity, overload, order, route_limit, time_window, depot_closing,
                        jnp.zeros_like(visited)])
     # A finished trajectory may only stay at the depot.
     finished_rules = jnp.zeros_like(rules).at[-1].set(~is_depot)
     return jnp.where(state.finished, finished_rules, rules)
 
 
+def stranded_backhauls(state: State) -> jax.Array:
+    """bool (n+1,): classic rule, moves after which the unserved pickups cannot fit the routes left to serve them.
+
+    Under the classic rule every route starts with a linehaul, so after a move to j the pickups still unserved
+    must fit into what the current route can still pick up (``1 - picked``, none once back at the depot) plus
+    one capacity per unserved linehaul (each can start a route). A move that breaks this leaves no feasible
+    completion (it is a necessary condition, so a feasible solution never makes such a move); the mask blocks
+    it so that a decoder does not walk into a dead end, e.g. back to the depot with only backhauls left. Not a
+    rule of the problem: the checker does not report it. False everywhere under the other rules."""
+    inst = state.instance
+    demand = inst.demand
+    is_depot = jnp.arange(demand.shape[-1]) == 0
+    open_nodes = ~state.visited & ~is_depot
+    pickups_left = jnp.sum(jnp.where(open_nodes, jnp.maximum(-demand, 0.0), 0.0))
+    starts_left = jnp.sum(open_nodes & (demand >= 0))
+    # After moving to j: j's pickup is served, j no longer an unserved linehaul, the route's room shrinks.
+    pickup_j = jnp.where(open_nodes, jnp.maximum(-demand, 0.0), 0.0)
+    starts_after = starts_left - (open_nodes & (demand >= 0))
+    room_after = jnp.where(is_depot, 0.0, 1.0 - state.picked - jnp.maximum(-demand, 0.0))
+    stranded = pickups_left - pickup_j > room_after + starts_after + EPS
+    return (inst.backhaul_rule == CLASSIC_RULE) & inst.has_backhaul & stranded & ~state.finished
+
+
 def action_mask(state: State) -> jax.Array:
-    """bool (n+1,): True where the next node is feasible."""
-    return ~jnp.any(violations(state), axis=0)
+    """bool (n+1,): True where the next node is feasible (no rule of ``violations`` fires) and, under the classic
+    backhaul rule, does not strand the remaining pickups (``stranded_backhauls``). Should no move be left (a
+    classic dead end that the lookahead cannot foresee, e.g. with time windows), the depot is allowed: the
+    trajectory then stays there unfinished, and the rollout scores it +inf."""
+    allowed = ~jnp.any(violations(state), axis=0) & ~stranded_backhauls(state)
+    return allowed.at[0].set(allowed[0] | ~jnp.any(allowed))
 
 
 def done(state: State) -> jax.Array:

@@ -41,6 +41,8 @@ class Instance:
       tw_end:       float32 (n+1,)    0 without TW; the depot's entry is its closing time (3) with TW.
       route_limit:  float32 ()        the route length limit with L, +inf without.
       is_open, has_backhaul, has_limit, has_tw: bool ()  the variant's flags.
+      backhaul_rule: int8 ()          how linehauls and backhauls share a route: an index into
+                                      ``problems.BACKHAUL_RULES`` (0 paper, 1 classic, 2 mixed).
     """
 
     locs: jax.Array
@@ -53,6 +55,7 @@ class Instance:
     has_backhaul: jax.Array
     has_limit: jax.Array
     has_tw: jax.Array
+    backhaul_rule: jax.Array
 
     @property
     def num_customers(self) -> int:
@@ -103,14 +106,15 @@ def _require_finite(**fields) -> None:
 
 
 def from_arrays(depot_xy, node_xy, demand, capacity, *, variant, route_limit=None, service_time=None,
-                tw_start=None, tw_end=None, depot_close=DEPOT_CLOSE) -> Instance:
+                tw_start=None, tw_end=None, depot_close=DEPOT_CLOSE, backhaul_rule="paper") -> Instance:
     """Build a batched Instance from per-field numpy arrays with a leading batch axis.
 
     depot_xy (B, 2), node_xy (B, n, 2), demand (B, n) raw (backhauls negative), capacity (B,) or scalar,
     route_limit (B,) or scalar (L only), service_time / tw_start / tw_end (B, n) (TW only), depot_close
-    (B,) or scalar: the depot's closing time.
+    (B,) or scalar: the depot's closing time; backhaul_rule: a name or index of ``problems.BACKHAUL_RULES``.
     """
     var = problems.get_variant(variant)
+    rule = problems.backhaul_rule_index(backhaul_rule)
     depot_xy = np.asarray(depot_xy, np.float32).reshape(-1, 1, 2)
     node_xy = np.asarray(node_xy, np.float32)
     if node_xy.ndim != 3 or node_xy.shape[-1] != 2:
@@ -152,7 +156,19 @@ def from_arrays(depot_xy, node_xy, demand, capacity, *, variant, route_limit=Non
         service_time=jnp.asarray(svc), tw_start=jnp.asarray(tws), tw_end=jnp.asarray(twe),
         route_limit=jnp.asarray(limit),
         is_open=jnp.asarray(flag(var.open)), has_backhaul=jnp.asarray(flag(var.backhaul)),
-        has_limit=jnp.asarray(flag(var.limit)), has_tw=jnp.asarray(flag(var.tw)))
+        has_limit=jnp.asarray(flag(var.limit)), has_tw=jnp.asarray(flag(var.tw)),
+        backhaul_rule=jnp.asarray(np.full((bsz,), rule, np.int8)))
+
+
+def with_backhaul_rule(inst: Instance, rule: str | int) -> Instance:
+    """``inst`` (single or batched) with every instance under the backhaul ``rule`` (a name or index)."""
+    index = problems.backhaul_rule_index(rule)
+    return inst.replace(backhaul_rule=jnp.full(jnp.shape(inst.backhaul_rule), index, jnp.int8))
+
+
+def backhaul_rule_names(inst: Instance) -> list[str]:
+    """The backhaul rule of each instance of a single or batched Instance (host-side)."""
+    return [problems.BACKHAUL_RULES[int(r)] for r in np.asarray(inst.backhaul_rule).reshape(-1)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -166,8 +182,9 @@ def _check_size(num_customers: int) -> float:
     return CAPACITY_BY_SIZE[num_customers]
 
 
-def generate_instance(key: jax.Array, flags: jax.Array, num_customers: int) -> Instance:
-    """Generate one instance of the variant given by ``flags`` (bool (4,): O, B, L, TW).
+def generate_instance(key: jax.Array, flags: jax.Array, num_customers: int, backhaul_rule=0) -> Instance:
+    """Generate one instance of the variant given by ``flags`` (bool (4,): O, B, L, TW) under the backhaul rule
+    ``backhaul_rule`` (int (), an index of ``problems.BACKHAUL_RULES``; the draw does not depend on it).
 
     A time-window instance with a customer that cannot be served on a route of its own (one farther than
     1.4 from the depot has no time to get there, be served and return by 3) is drawn again, with
@@ -176,7 +193,7 @@ def generate_instance(key: jax.Array, flags: jax.Array, num_customers: int) -> I
     """
     def draw(attempt):
         k = jax.lax.cond(attempt == 0, lambda: key, lambda: jax.random.fold_in(key, attempt))
-        return _draw_instance(k, flags, num_customers)
+        return _draw_instance(k, flags, num_customers).replace(backhaul_rule=jnp.asarray(backhaul_rule, jnp.int8))
 
     def unservable(carry):
         return ~all_customers_servable(carry[1])
@@ -226,16 +243,24 @@ def _draw_instance(key: jax.Array, flags: jax.Array, num_customers: int) -> Inst
     return Instance(
         locs=locs, demand=demand, service_time=svc, tw_start=tws, tw_end=twe,
         route_limit=jnp.where(flags[2], jnp.float32(ROUTE_LIMIT), jnp.float32(jnp.inf)),
-        is_open=flags[0], has_backhaul=flags[1], has_limit=flags[2], has_tw=flags[3])
+        is_open=flags[0], has_backhaul=flags[1], has_limit=flags[2], has_tw=flags[3],
+        backhaul_rule=jnp.int8(problems.PAPER_RULE))
 
 
 def generate(key: jax.Array, batch: int, num_customers: int,
-             variants: str | problems.Variant | Sequence[str | problems.Variant]) -> Instance:
+             variants: str | problems.Variant | Sequence[str | problems.Variant],
+             backhaul_rule: str | int | Sequence[str | int] = "paper") -> Instance:
     """Generate a batch of ``batch`` instances with n = ``num_customers``.
 
     ``variants`` is one variant (every instance of that kind) or a sequence of variants (each instance
-    draws one uniformly: a mixed-variant batch). Deterministic in ``key``.
+    draws one uniformly: a mixed-variant batch). ``backhaul_rule``: one rule for every instance, or a sequence
+    of rules, instance i taking rule ``i % len(rules)`` (names or indices of ``problems.BACKHAUL_RULES``).
+    The instances drawn do not depend on the rule. Deterministic in ``key``.
     """
+    rules = [backhaul_rule] if isinstance(backhaul_rule, (str, int, np.integer)) else list(backhaul_rule)
+    if not rules:
+        raise ValueError("backhaul_rule: give at least one rule")
+    codes = np.array([problems.backhaul_rule_index(r) for r in rules], np.int8)
     if isinstance(variants, (str, problems.Variant)):
         names = [problems.get_variant(variants)]
     else:
@@ -244,12 +269,13 @@ def generate(key: jax.Array, batch: int, num_customers: int,
     table = jnp.asarray(problems.flags_array(names))
     k_var, k_inst = jax.random.split(key)
     choice = jax.random.randint(k_var, (batch,), 0, len(names))
-    return _generate_batch(jax.random.split(k_inst, batch), table[choice], num_customers)
+    rule = jnp.asarray(np.resize(codes, batch))
+    return _generate_batch(jax.random.split(k_inst, batch), table[choice], num_customers, rule)
 
 
 @partial(jax.jit, static_argnums=2)
-def _generate_batch(keys: jax.Array, flags: jax.Array, num_customers: int) -> Instance:
-    return jax.vmap(generate_instance, in_axes=(0, 0, None))(keys, flags, num_customers)
+def _generate_batch(keys: jax.Array, flags: jax.Array, num_customers: int, rules: jax.Array) -> Instance:
+    return jax.vmap(generate_instance, in_axes=(0, 0, None, 0))(keys, flags, num_customers, rules)
 
 
 # ----------------------------------------------------------------------------------------------------

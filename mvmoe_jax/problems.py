@@ -107,3 +107,31 @@ def parse_variants(spec: str | Sequence[str]) -> list[Variant]:
 def flags_array(variants: Sequence[str | Variant]) -> np.ndarray:
     """bool (len(variants), 4) array of (O, B, L, TW) flags."""
     return np.array([get_variant(v).flags for v in variants], dtype=bool)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backhaul rules (docs/environment.md, "Backhaul rules"): how linehauls and backhauls share a route. An
+# Instance holds the rule's index (``backhaul_rule``, int8) beside the variant flags.
+# ----------------------------------------------------------------------------------------------------
+
+# paper: the MVMoE paper's rule (the vehicle leaves full; a pickup frees room for later deliveries).
+# classic: Toth & Vigo's VRPB (VRPLIB, PyVRP): linehauls before backhauls, a route starts with a linehaul,
+#          deliveries and pickups each fit the capacity.
+# mixed: RouteFinder's mixed backhauls: any order; the vehicle leaves with the route's deliveries and the
+#        load on board never exceeds the capacity.
+BACKHAUL_RULES: tuple[str, ...] = ("paper", "classic", "mixed")
+PAPER_RULE, CLASSIC_RULE, MIXED_RULE = 0, 1, 2
+
+
+def backhaul_rule_index(rule: str | int) -> int:
+    """The index of a backhaul rule given by name (case-insensitive) or index; ValueError naming the valid ones."""
+    if isinstance(rule, (int, np.integer)) and not isinstance(rule, bool) and 0 <= int(rule) < len(BACKHAUL_RULES):
+        return int(rule)
+    if isinstance(rule, str) and rule.strip().lower() in BACKHAUL_RULES:
+        return BACKHAUL_RULES.index(rule.strip().lower())
+    raise ValueError(f"unknown backhaul rule {rule!r}; expected one of: {', '.join(BACKHAUL_RULES)}")
+
+
+def backhaul_rule_name(rule: str | int) -> str:
+    """The name of a backhaul rule given by name or index."""
+    return BACKHAUL_RULES[backhaul_rule_index(rule)]

@@ -470,8 +470,10 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
 
 @struct.dataclass
 class BestStarts:
-    """Per rollout row (an instance copy), M rows: cost (M,) the best over its starts (+inf when none is
-    valid), actions int32 (M, T) that start's (the first best), done bool (M,) every valid start finished."""
+    """Per rollout row (an instance copy), M rows: cost (M,) the best over its finished starts (+inf when none
+    is valid and finished), actions int32 (M, T) that start's (the first best), done bool (M,) some valid start
+    finished (so the best one did). A start stuck in a dead end (the classic backhaul rule, env.action_mask)
+    never finishes and never wins."""
 
     cost: jax.Array
     actions: jax.Array
@@ -480,9 +482,10 @@ class BestStarts:
 
 def best_starts(out: RolloutOutput) -> BestStarts:
     """Each row's best start of a rollout's (M, P) output."""
-    best = jnp.argmin(out.cost, axis=-1)
+    cost = jnp.where(out.finished, out.cost, jnp.inf)
+    best = jnp.argmin(cost, axis=-1)
     actions = jnp.take_along_axis(out.actions, best[:, None, None], axis=1)[:, 0]
-    return BestStarts(cost=out.cost.min(-1), actions=actions, done=jnp.all(out.finished | ~out.valid, axis=-1))
+    return BestStarts(cost=cost.min(-1), actions=actions, done=jnp.any(out.finished & out.valid, axis=-1))
 
 
 def pack_best_starts(best: BestStarts, steps: jax.Array) -> jax.Array:

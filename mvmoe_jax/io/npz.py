@@ -12,6 +12,9 @@ Layout of a file holding B instances with n customers::
     demand, service_time, tw_start, tw_end   float32 (B, n+1)
     route_limit         float32 (B,)
     is_open, has_backhaul, has_limit, has_tw  bool (B,)
+    backhaul_rule       int8 (B,)         index into problems.BACKHAUL_RULES (0 paper, 1 classic, 2 mixed)
+
+Files of format version 1 (no ``backhaul_rule``) are read with the paper's rule, which was the only one then.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from mvmoe_jax import problems
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.io.npz_sizes import read_arrays
 from mvmoe_jax.io.vrplib_io import require_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)     # version 1: before backhaul rules (every instance under the paper's)
 VERSION_KEY = "__format_version__"
 
 # Per field: (dtype, trailing shape after the batch axis; "N" is the node count n+1).
@@ -41,6 +46,7 @@ _SPEC: dict[str, tuple[np.dtype, tuple]] = {
     "has_backhaul": (np.dtype(bool), ()),
     "has_limit": (np.dtype(bool), ()),
     "has_tw": (np.dtype(bool), ()),
+    "backhaul_rule": (np.dtype(np.int8), ()),
 }
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Instance))
@@ -79,10 +85,14 @@ def _check_arrays(arrays: dict[str, np.ndarray], source: str) -> None:
             note = "; +inf stands for no route limit, only where has_limit is false"
         elif arr.dtype.kind == "f":
             bad = ~np.isfinite(arr)
+        elif name == "backhaul_rule":
+            bad = (arr < 0) | (arr >= len(problems.BACKHAUL_RULES))
+            note = f"; a backhaul rule is an index 0..{len(problems.BACKHAUL_RULES) - 1} ({', '.join(problems.BACKHAUL_RULES)})"
         else:
             continue
         if bad.any():
-            raise ValueError(f"{source}: field {name!r} holds non-finite values (first at index "
+            what = "invalid" if name == "backhaul_rule" else "non-finite"
+            raise ValueError(f"{source}: field {name!r} holds {what} values (first at index "
                              f"{tuple(int(i) for i in np.argwhere(bad)[0])}){note}")
 
 
@@ -113,12 +123,14 @@ def load_npz(path: str | os.PathLike) -> Instance:
     if VERSION_KEY not in arrays:
         raise ValueError(f"{path}: no {VERSION_KEY!r} key; not written by save_npz")
     version = arrays.pop(VERSION_KEY)
-    if version.shape != () or version.dtype.kind not in "iu" or int(version) != FORMAT_VERSION:
+    if version.shape != () or version.dtype.kind not in "iu" or int(version) not in READABLE_VERSIONS:
         raise ValueError(f"{path}: unsupported format version {version!r} (this reader knows "
-                         f"{FORMAT_VERSION})")
+                         f"{', '.join(map(str, READABLE_VERSIONS))})")
+    if int(version) == 1 and "locs" in arrays and "backhaul_rule" not in arrays:
+        arrays["backhaul_rule"] = np.zeros(arrays["locs"].shape[:1], np.int8)
     unknown = sorted(set(arrays) - set(FIELDS))
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}; not an Instance file of format version "
-                         f"{FORMAT_VERSION}")
+                         f"{int(version)}")
     _check_arrays(arrays, source=path)
     return Instance(**{name: jnp.asarray(arrays[name]) for name in FIELDS})
