@@ -6,7 +6,7 @@ on fixed sets with reference solutions) against CPU seconds and against instance
     python benchmarks/recipe_study.py --runs_dir=/tmp/recipe_study --epochs=5 --seeds=1,2 \
         --output=benchmarks/results/recipe_study_n20.json
 
-Each run is ``train.py`` with ``configs/mvmoe.py`` and the arm's config fields, pinned to one core
+Each run is ``train.py`` with ``configs/mvmoe_paper.py`` and the arm's config fields, pinned to one core
 (``taskset``, one XLA thread), ``--parallel`` runs at a time; runs are compared at equal training CPU seconds
 (the process's CPU time, which other load on the machine does not inflate as it does wall time). A run whose workdir already holds its last epoch is not run again (``--summarize_only`` runs none),
 so an interrupted study continues. The report holds every validation point of every run, and per arm the
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import subprocess
@@ -37,15 +36,14 @@ ROUTEFINDER = dict(batch_size=256, learning_rate=3e-4, mixed_batches=True, rewar
                    grad_clip_norm=1.0)
 
 
-def arm_overrides(name: str, problem_size: int, planned_steps: int) -> dict:
-    """The config fields an arm sets on top of configs/mvmoe.py (the paper's recipe). ``planned_steps``: the
-    run's optimiser steps (the cosine schedule ends there)."""
+def arm_overrides(name: str, problem_size: int) -> dict:
+    """The config fields an arm sets on top of configs/mvmoe_paper.py (the paper's recipe)."""
     arms = {
         "paper": {},
         "routefinder": ROUTEFINDER,
-        # A larger rate with a warm-up over the first tenth and a cosine decay to 1 % at the planned end.
+        # A larger rate with a warm-up over the first tenth of the run and a cosine decay to 1 % at its end.
         "rf_warmup_cosine": dict(ROUTEFINDER, learning_rate=1e-3, lr_schedule="warmup_cosine",
-                                 warmup_steps=max(1, planned_steps // 10), final_lr_fraction=0.01),
+                                 warmup_fraction=0.1, final_lr_fraction=0.01),
         # Half the POMO starts per training instance: half the decoding per instance.
         "rf_half_starts": dict(ROUTEFINDER, train_pomo_size=problem_size // 2),
         # The leader reward (Wang et al., 2024): the best start's advantage x (1 + alpha), alpha = 2.
@@ -63,16 +61,14 @@ def run_command(arm: str, seed: int, args) -> tuple[list[str], str, int]:
     """(train.py command, workdir, epochs) of one run: ``args.epochs`` epochs of ``args.epoch_instances``, an
     arm that halves the cost of an instance (fewer starts) twice as many, so that every arm reaches the CPU
     time at which the arms are compared."""
-    epochs = args.epochs * (2 if arm_overrides(arm, args.problem_size, 1).get("train_pomo_size") else 1)
-    batch = arm_overrides(arm, args.problem_size, 1).get("batch_size", 128)
-    steps = epochs * math.ceil(args.epoch_instances / batch)
+    epochs = args.epochs * (2 if arm_overrides(arm, args.problem_size).get("train_pomo_size") else 1)
     fields = dict(seed=seed, problem_size=args.problem_size, pomo_size=args.problem_size,
                   train_episodes=args.epoch_instances, epochs=epochs, validation_problems="ALL",
                   validation_instances=args.validation_instances, validation_batch_size=args.validation_instances,
                   validate_every_epochs=1, data_dir=args.data_dir, keep_checkpoints=1, progress_bar=False)
-    fields.update(arm_overrides(arm, args.problem_size, steps))
+    fields.update(arm_overrides(arm, args.problem_size))
     workdir = os.path.join(args.runs_dir, f"{arm}_seed{seed}")
-    cmd = [sys.executable, str(REPO / "train.py"), f"--config={REPO / 'configs' / 'mvmoe.py'}",
+    cmd = [sys.executable, str(REPO / "train.py"), f"--config={REPO / 'configs' / 'mvmoe_paper.py'}",
            f"--config.workdir={workdir}", "--config.execution.cpu_devices=1"]
     cmd += [f"--config.{k}={v}" for k, v in fields.items()]
     return cmd, workdir, epochs
@@ -148,7 +144,7 @@ def summarize(runs: list[tuple[str, int]], args) -> dict:
     for arm, seeds in by_arm.items():
         # Compare at the CPU time every seed of every arm reached, and at each run's own last point.
         finals = {seed: pts[-1] for seed, pts in seeds.items() if pts}
-        arms[arm] = {"overrides": arm_overrides(arm, args.problem_size, 0), "seeds": sorted(seeds),
+        arms[arm] = {"overrides": arm_overrides(arm, args.problem_size), "seeds": sorted(seeds),
                      "last": {k: _mean_spread([p[k] for p in finals.values()])
                               for k in ("trained", "unseen", "all", "train_seconds", "instances")}}
     common = min((pts[-1]["train_seconds"] for seeds in by_arm.values() for pts in seeds.values() if pts),
@@ -233,7 +229,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = [(arm, int(s)) for s in args.seeds.split(",") for arm in args.arms.split(",")]
     for arm, _ in runs:
-        arm_overrides(arm, args.problem_size, 1)            # an unknown arm fails before anything runs
+        arm_overrides(arm, args.problem_size)               # an unknown arm fails before anything runs
     if not args.summarize_only:
         run_all(runs, args)
     report = summarize(runs, args)

@@ -58,7 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     # The recipe beyond the paper's (each off by default; docs/results.md, "Training recipe per CPU-hour").
     c.grad_clip_norm = 0.0            # clip the gradient's global norm to this (0: none; RouteFinder: 1.0)
     c.lr_schedule = "step"            # "step": the decay above; "warmup_cosine": warm-up, then a cosine
-    c.warmup_steps = 0                # warmup_cosine: linear warm-up over these optimiser steps
+    c.warmup_fraction = 0.0           # warmup_cosine: linear warm-up over this fraction of the run's steps
     c.final_lr_fraction = 0.01        # warmup_cosine: the rate at the last epoch, as a fraction of learning_rate
     c.train_pomo_size = 0             # POMO starts sampled per training instance (0: pomo_size)
     c.leader_advantage = 1.0          # each instance's best start's advantage x this (1: plain POMO)

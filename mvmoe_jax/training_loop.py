@@ -127,6 +127,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
              f"{config.get('leader_advantage')}")
     _require(0 <= config.get("reward_normalization_alpha", 0.0) <= 1, "reward_normalization_alpha must be in "
              f"[0, 1] (0: no reward normalisation), got {config.get('reward_normalization_alpha')}")
+    _require(0 <= config.get("warmup_fraction", 0.0) < 1,
+             f"warmup_fraction must be in [0, 1), got {config.get('warmup_fraction')}")
     _require(0 <= config.get("final_lr_fraction", 0.0) <= 1,
              f"final_lr_fraction must be in [0, 1], got {config.get('final_lr_fraction')}")
     curriculum = parse_size_curriculum(config.get("size_curriculum", ""), n)
@@ -154,7 +156,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
     optimizer = training.OptimizerSettings(
         float(config.learning_rate), float(config.weight_decay), decay_step, float(config.lr_decay_factor),
         clip_norm=float(config.get("grad_clip_norm", 0.0)), schedule=config.get("lr_schedule", "step"),
-        warmup_steps=int(config.get("warmup_steps", 0)), total_steps=int(config.epochs) * steps,
+        warmup_steps=int(config.get("warmup_fraction", 0.0) * int(config.epochs) * steps),
+        total_steps=int(config.epochs) * steps,
         final_fraction=float(config.get("final_lr_fraction", 0.0)))
     return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer,
                        curriculum=curriculum, problem_size=n,
@@ -302,7 +305,7 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 # the new values, so that an extension can keep the decay epoch it had or move it).
 RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
               "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from",
-              "grad_clip_norm", "lr_schedule", "warmup_steps", "final_lr_fraction", "train_pomo_size",
+              "grad_clip_norm", "lr_schedule", "warmup_fraction", "final_lr_fraction", "train_pomo_size",
               "leader_advantage", "reward_normalization_alpha", "size_curriculum")
 
 

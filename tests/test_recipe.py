@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from conftest import script_module
-from configs import mvmoe
+from configs import mvmoe_paper
 from mvmoe_jax import problems, training, training_loop, training_validation
 from mvmoe_jax.reinforce import reinforce_loss
 from test_training import loop_functions, mixed_batch, tiny_config
@@ -105,7 +105,8 @@ def test_the_size_curriculum_and_the_training_starts_by_epoch():
     for field, value, match in [("grad_clip_norm", -1.0, "grad_clip_norm"), ("leader_advantage", 0.0, "leader"),
                                 ("reward_normalization_alpha", 1.5, "reward_normalization_alpha"),
                                 ("train_pomo_size", -2, "train_pomo_size"), ("lr_schedule", "exp", "lr_schedule"),
-                                ("final_lr_fraction", 2.0, "final_lr_fraction")]:
+                                ("final_lr_fraction", 2.0, "final_lr_fraction"),
+                                ("warmup_fraction", 1.0, "warmup_fraction")]:
         with pytest.raises(ValueError, match=match):
             training_loop.check_config(tiny_config("unused", **{field: value}))
 
@@ -151,7 +152,7 @@ def test_every_study_arm_is_a_valid_run_config_and_points_are_read_back(tmp_path
         data_dir=str(tmp_path), runs_dir=str(tmp_path))
     for arm in study.ARMS:
         cmd, workdir, _ = study.run_command(arm, 1, args)
-        config = mvmoe.get_config()
+        config = mvmoe_paper.get_config()
         for a in cmd:
             if a.startswith("--config.") and not a.startswith("--config.execution"):
                 key, value = a[len("--config."):].split("=", 1)

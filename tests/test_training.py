@@ -324,7 +324,7 @@ def _strip_time(rows):
 # Every field of the recipe beyond the paper's (tests/test_recipe.py), so that resuming is exact under each: the
 # reward normalisation's running scales, the schedule, the starts and the size curriculum's switch (n = 20 for
 # epochs 1-3, then the run's n = 50). The paper's recipe resumes in test_kill_resume.py.
-RECIPE = dict(grad_clip_norm=1.0, lr_schedule="warmup_cosine", warmup_steps=2, train_pomo_size=10,
+RECIPE = dict(grad_clip_norm=1.0, lr_schedule="warmup_cosine", warmup_fraction=0.25, train_pomo_size=10,
               leader_advantage=3.0, reward_normalization_alpha=0.25, mixed_batches=True, size_curriculum="20:3",
               problem_size=50, pomo_size=50, validation_problems="CVRP,OVRPTW")
 
