@@ -111,6 +111,13 @@ def problems_from_instances(instances) -> list[Problem]:
     locs = np.asarray(host.locs, np.float64)
     if locs.ndim != 3:
         raise BaselineError(f"expected a batched Instance (locs (batch, n+1, 2)), got locs {locs.shape}")
+    other_rule = np.asarray(host.has_backhaul) & (np.asarray(host.backhaul_rule) != 0)
+    if other_rule.any():
+        from mvmoe_jax import problems
+        i = int(np.flatnonzero(other_rule)[0])
+        raise UnsupportedVariantError(
+            f"instance {i}: backhauls under the {problems.backhaul_rule_name(int(host.backhaul_rule[i]))} rule; the "
+            "reference solvers model only the paper's backhaul rule")
     out = []
     for i in range(locs.shape[0]):
         out.append(Problem(

@@ -8,6 +8,8 @@ A file holds one instance (a JSON object) or several (a list of objects)::
       "depot": [0, 0],                        x, y
       "customers": [[3, 4], [6, 8], [9, 1]],  x, y of each customer; they are numbered 1..n in this order
       "demand": [10, -5, 7],                  one per customer; negative: a pickup (a backhaul customer)
+      "backhauls": "classic",                 with pickups: how linehauls and backhauls share a route, "classic",
+                                              "mixed" or "paper" (required with pickups; see below)
       "time_windows": [[0, 50], [10, 60], [0, 80]],   optional: [earliest, latest] start of service
       "service_times": 2,                     optional, with time windows: one number, or one per customer
       "depot_close": 100,                     with time windows: when the vehicles must be back at the depot
@@ -18,7 +20,16 @@ A file holds one instance (a JSON object) or several (a list of objects)::
 
 Distances are Euclidean in the given coordinates, and time is measured in the same units (travel time =
 distance). The variant is read off the data: B with negative demands, TW with time windows, L with a route
-limit, O with open routes. Each instance is scaled into the unit square like the VRPLIB files
+limit, O with open routes. With pickups the file must say which backhaul rule holds (docs/environment.md,
+"Backhaul rules"), since the literature's problems differ and no choice is safe to assume:
+
+- ``"classic"``: the VRP with backhauls of Toth and Vigo, VRPLIB and PyVRP: on a route every linehaul comes
+  before any backhaul, a route starts with a linehaul, its deliveries and its pickups each fit the capacity;
+- ``"mixed"``: linehauls and backhauls in any order; the vehicle leaves with the route's deliveries and the
+  load on board never exceeds the capacity;
+- ``"paper"``: the MVMoE paper's rule: the vehicle leaves full and a pickup frees room for later deliveries.
+
+Each instance is scaled into the unit square like the VRPLIB files
 (``vrplib_io.unit_square_transform``: times and the route limit by the same factor), and ``JsonMeta.scale``
 maps costs back. The rules are the environment's (docs/environment.md).
 """
@@ -38,13 +49,15 @@ from mvmoe_jax.instances import Instance, from_arrays
 from mvmoe_jax.io.vrplib_io import read_json, require_file, to_unit_square, unit_square_transform
 
 REQUIRED = ("capacity", "depot", "customers", "demand")
-OPTIONAL = ("name", "time_windows", "service_times", "depot_close", "route_limit", "open_routes", "best_known")
+OPTIONAL = ("name", "time_windows", "service_times", "depot_close", "route_limit", "open_routes", "best_known",
+            "backhauls")
 
 
 @dataclasses.dataclass(frozen=True)
 class JsonMeta:
     """name; variant (read off the data); scale and offset: unit square -> the file's units (as
-    ``VrplibMeta``); coords float64 (n+1, 2): the file's coordinates, depot first; best_known or None."""
+    ``VrplibMeta``); coords float64 (n+1, 2): the file's coordinates, depot first; best_known or None;
+    backhaul_rule: the rule the instance is read under (``paper`` where it has no pickups and states none)."""
 
     name: str
     variant: str
@@ -54,6 +67,7 @@ class JsonMeta:
     offset: tuple[float, float]
     best_known: float | None = None
     coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    backhaul_rule: str = "paper"
 
     def original_cost(self, unit_cost):
         return np.asarray(unit_cost, np.float64) * self.scale
@@ -89,8 +103,26 @@ def _customers(indices: np.ndarray) -> str:
     return str(idx[:10])[:-1] + (", ...]" if len(idx) > 10 else "]")
 
 
-def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMeta]:
-    """One JSON object -> (batch-of-one Instance, JsonMeta); ValueError prefixed with ``where``."""
+def _backhaul_rule(obj: dict, where: str, has_pickups: bool, stated: str | None) -> str:
+    """The rule named by ``stated`` (a caller's override), else by the 'backhauls' key; required with pickups."""
+    if stated is not None:
+        return problems.backhaul_rule_name(stated)
+    if "backhauls" not in obj:
+        if has_pickups:
+            raise ValueError(f"{where}: the demands include pickups (negative values); say which backhaul rule holds "
+                             f"with 'backhauls': {' or '.join(repr(r) for r in problems.BACKHAUL_RULES[::-1])} "
+                             "(docs/environment.md)")
+        return "paper"
+    value = obj["backhauls"]
+    if not isinstance(value, str) or value.strip().lower() not in problems.BACKHAUL_RULES:
+        raise ValueError(f"{where}: 'backhauls' must be one of {', '.join(repr(r) for r in problems.BACKHAUL_RULES)}, "
+                         f"got {json.dumps(value)[:40]}")
+    return value.strip().lower()
+
+
+def parse_instance(obj, where: str, default_name: str, backhaul_rule: str | None = None) -> tuple[Instance, JsonMeta]:
+    """One JSON object -> (batch-of-one Instance, JsonMeta); ValueError prefixed with ``where``. ``backhaul_rule``
+    overrides the file's 'backhauls'."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: an instance must be a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(REQUIRED) - set(OPTIONAL))
@@ -151,34 +183,39 @@ def parse_instance(obj, where: str, default_name: str) -> tuple[Instance, JsonMe
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: 'name' must be a non-empty string")
 
+    rule = _backhaul_rule(obj, where, bool(np.any(demand < 0)), backhaul_rule)
     var = problems.variant_from_flags(is_open, bool(np.any(demand < 0)), "route_limit" in obj, has_tw)
     coords = np.concatenate([depot[None], xy])
     offset, scale = unit_square_transform(coords, source=where, depot_close=in_file_units.get("depot_close"),
                                           route_limit=in_file_units.get("route_limit"))
     kwargs = {key: value / scale for key, value in in_file_units.items()}
     unit = to_unit_square(coords, offset, scale)
-    inst = from_arrays(unit[None, :1], unit[None, 1:], demand[None], capacity, variant=var, **kwargs)
+    inst = from_arrays(unit[None, :1], unit[None, 1:], demand[None], capacity, variant=var, backhaul_rule=rule,
+                       **kwargs)
     reasons = checker.unservable_reasons(jax.tree.map(lambda x: x[0], inst), scale=scale)
     if reasons:
         raise ValueError(f"{where}: {len(reasons)} customer(s) that no route can serve: " + "; ".join(reasons[:5]))
     meta = JsonMeta(name=name.strip(), variant=var.name, num_customers=n, capacity=capacity, scale=scale,
-                    offset=(float(offset[0]), float(offset[1])), best_known=best, coords=coords)
+                    offset=(float(offset[0]), float(offset[1])), best_known=best, coords=coords, backhaul_rule=rule)
     return inst, meta
 
 
-def read_json_instances(path: str | os.PathLike) -> list[tuple[Instance, JsonMeta]]:
+def read_json_instances(path: str | os.PathLike, *, backhaul_rule: str | None = None
+                        ) -> list[tuple[Instance, JsonMeta]]:
     """Read a JSON file of the format above: one (batch-of-one Instance, JsonMeta) per instance.
+    ``backhaul_rule`` (a name of ``problems.BACKHAUL_RULES``) overrides every instance's 'backhauls'.
 
     Raises ValueError naming the file (and the instance, in a list) for text that is not JSON, unknown or
-    missing keys, values of the wrong kind or length, a demand above the capacity, windows that close
+    missing keys, pickups without 'backhauls', values of the wrong kind or length, a demand above the capacity, windows that close
     before they open, and a customer no route can serve (a window closing before a vehicle can arrive, a
     route limit shorter than its round trip, ...)."""
     path = require_file(path)
     data = read_json(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     if isinstance(data, dict):
-        return [parse_instance(data, path, stem)]
+        return [parse_instance(data, path, stem, backhaul_rule)]
     if not isinstance(data, list) or not data:
         raise ValueError(f"{path}: expected an instance object or a non-empty list of them")
     width = len(str(len(data) - 1))
-    return [parse_instance(obj, f"{path}, instance {i}", f"{stem}-{i:0{width}d}") for i, obj in enumerate(data)]
+    return [parse_instance(obj, f"{path}, instance {i}", f"{stem}-{i:0{width}d}", backhaul_rule)
+            for i, obj in enumerate(data)]

@@ -125,6 +125,8 @@ class VrplibMeta:
                      computed from it are approximate. (The reference implementation's CVRPLIB
                      evaluation, with a fixed ``loc_scale`` of 1000, rounds every edge instead.)
       variant:       the variant read off the file (see ``read_vrplib``), e.g. ``CVRP`` or ``OVRPBLTW``.
+      backhaul_rule: the backhaul rule the instance is read under (``problems.BACKHAUL_RULES``): ``classic``
+                     for a file with backhauls (VRPLIB's VRPB), unless stated otherwise; ``paper`` without.
       num_vehicles:  the file's VEHICLES, if given (not enforced: the environment has no fleet limit).
       coords:        float64 (n+1, 2): the file's coordinates, depot first (for costs in its units).
     """
@@ -136,6 +138,7 @@ class VrplibMeta:
     offset: tuple[float, float]
     round_costs: bool = True
     variant: str = "CVRP"
+    backhaul_rule: str = "paper"
     num_vehicles: int | None = None
     coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -253,7 +256,8 @@ def _route_limit(data: dict, path: str, has_time: bool) -> float | None:
     return limit
 
 
-def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> tuple[Instance, VrplibMeta]:
+def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None,
+                backhaul_rule: str | None = None) -> tuple[Instance, VrplibMeta]:
     """Read a VRPLIB ``.vrp`` file (EUC_2D, one depot at node 1) as a batch-of-one Instance.
 
     Besides CVRPLIB's sections, the file may hold those PyVRP's reader takes for the other variants, so the
@@ -264,7 +268,12 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
       SERVICE_TIME_SECTION    ``node duration`` (or the specification SERVICE_TIME: one duration for every
                               customer); only with time windows.
       LINEHAUL_SECTION        deliveries, in place of DEMAND_SECTION; BACKHAUL_SECTION: pickups (B). A
-                              customer either delivers or picks up, never both.
+                              customer either delivers or picks up, never both. Backhauls follow the classic
+                              rule of VRPLIB's VRPB (docs/environment.md): on a route every linehaul comes
+                              before any backhaul, a route starts with a linehaul, deliveries and pickups each
+                              fit the capacity. ``backhaul_rule`` states another (``paper``, ``mixed``). (PyVRP
+                              applies that order only to TYPE VRPB; for other types it lets pickups and
+                              deliveries mix, the ``mixed`` rule.)
       DISTANCE, VEHICLES_MAX_DISTANCE   the route-length limit (L), one value for every vehicle; also
                               VEHICLES_MAX_DURATION where no time windows or service times make a route's
                               duration differ from its length.
@@ -401,7 +410,13 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
                       tw_end=windows[None, 1:, 1] / scale, depot_close=windows[0, 1] / scale)
     if var.limit:
         kwargs["route_limit"] = limit / scale
-    inst = from_arrays(xy[None, :1], xy[None, 1:], signed[None, 1:], capacity, variant=var, **kwargs)
+    rule = backhaul_rule if backhaul_rule is not None else ("classic" if var.backhaul else "paper")
+    try:
+        rule = problems.backhaul_rule_name(rule)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    inst = from_arrays(xy[None, :1], xy[None, 1:], signed[None, 1:], capacity, variant=var, backhaul_rule=rule,
+                       **kwargs)
     reasons = checker.unservable_reasons(jax.tree.map(lambda x: x[0], inst), scale=scale,
                                          node_name=lambda i: f"node {i + 1}")
     if reasons:
@@ -409,7 +424,7 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None) -> t
     vehicles = data.get("vehicles")
     meta = VrplibMeta(name=str(data.get("name", os.path.splitext(os.path.basename(path))[0])),
                       num_customers=n_nodes - 1, capacity=capacity, scale=scale,
-                      offset=(float(offset[0]), float(offset[1])), variant=var.name,
+                      offset=(float(offset[0]), float(offset[1])), variant=var.name, backhaul_rule=rule,
                       num_vehicles=int(vehicles) if isinstance(vehicles, (int, float)) else None, coords=coords)
     return inst, meta
 

@@ -1,7 +1,8 @@
 """Solve one's own routing instances with a trained policy; write routes, a summary and plots.
 
     python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas] [--time_limit=S]
-        [--output=DIR] [--plot] [--problem=VARIANT] [--bks=BKS.json] [--save_adapted=FILE.npz]
+        [--output=DIR] [--plot] [--problem=VARIANT] [--backhauls=paper|classic|mixed] [--bks=BKS.json]
+        [--save_adapted=FILE.npz]
 
 INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
 and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
@@ -46,6 +47,10 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default all n)")
     p.add_argument("--problem", default=None, help="the variant (e.g. OVRPTW) when the data does not say it all: "
                    "open routes, or a paper .pkl named otherwise")
+    p.add_argument("--backhauls", default=None, choices=("paper", "classic", "mixed"),
+                   help="the backhaul rule for every instance (docs/environment.md), overriding the files': classic "
+                        "(linehauls before backhauls; VRPLIB's VRPB, the default for .vrp files), mixed (any order, "
+                        "the load on board within capacity) or paper (the MVMoE paper's; its data's default)")
     p.add_argument("--num_instances", type=int, default=None, help="at most this many instances of each file")
     p.add_argument("--bks", default=None, help="best-known values (BKS.json style) for gaps")
     p.add_argument("--batch_size", type=int, default=None, help="instances solved together (default by size)")
@@ -76,6 +81,7 @@ def main(argv=None, *, setup_process: bool = False) -> int:
         report = api.solve(args.inputs, checkpoint=args.checkpoint, search=args.search, time_limit=args.time_limit,
                            rounds=args.rounds, samples=args.samples, max_starts=args.max_starts, seed=args.seed,
                            problem=args.problem, num_instances=args.num_instances, bks=args.bks,
+                           backhauls=args.backhauls,
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
                            progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
                            eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted)

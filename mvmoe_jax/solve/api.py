@@ -49,6 +49,8 @@ class Solution:
     """One instance's solution.
 
       name, source, variant, num_customers: as read (``inputs.Problem``).
+      backhaul_rule: the backhaul rule solved under (``problems.BACKHAUL_RULES``; ``paper`` without backhauls
+                    unless stated).
       routes:       one list of customers per route, numbered as in the input (see ``outputs``).
       cost:         in the input's units under the environment's rules (unrounded Euclidean lengths; an open
                     route ends at its last customer).
@@ -88,6 +90,7 @@ class Solution:
     rounds: int
     model: str
     samples: int | None = None
+    backhaul_rule: str = "paper"
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     adapted: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
@@ -161,7 +164,8 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
     rounded = checker.tours_cost(p.coords, searched, is_open, rounded=True) if p.round_costs else None
     compared = rounded if rounded is not None else cost
     gap = None if p.best_known is None else (compared - p.best_known) / p.best_known * 100.0
-    return Solution(name=p.name, source=p.source, variant=p.variant, num_customers=p.num_customers, routes=searched,
+    return Solution(name=p.name, source=p.source, variant=p.variant, backhaul_rule=p.backhaul_rule,
+                    num_customers=p.num_customers, routes=searched,
                     cost=cost, cost_rounded=rounded, greedy_cost=greedy_cost, best_known=p.best_known, gap=gap,
                     feasible=violation is None, violation=violation, **fields)
 
@@ -226,6 +230,7 @@ def _write(output: str | None, plot: bool):
 def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time_limit: float | None = None,
           rounds: int | None = None, samples: int = 8, max_starts: int | None = None, seed: int = 0,
           problem: str | None = None, num_instances: int | None = None, bks: str | None = None,
+          backhauls: str | None = None,
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
           memory_budget: int | None = None, execution: ExecutionPlan | None = None,
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
@@ -237,7 +242,9 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     max_starts, memory_budget, eas_learning_rate, eas_imitation_weight: ``search.Settings``. save_adapted: with
     ``search="eas"``, a file for the adapted embeddings of every instance (``outputs.write_adapted``). problem: the
     variant, when the data does not say it all (``inputs.state_variant``). num_instances: at most this many from
-    each file of several. bks: a table of best-known values (BKS.json style). output: a folder for a ``.sol`` per
+    each file of several. bks: a table of best-known values (BKS.json style). backhauls: the backhaul rule
+    (``paper``, ``classic``, ``mixed``) for every instance, overriding what the files state (VRPLIB files with
+    backhauls are classic, the paper's data paper, JSON files say). output: a folder for a ``.sol`` per
     instance (and with ``plot`` a PNG) and ``summary.json``; None writes nothing. execution: the execution plan
     (None: the default backend's preset; results do not depend on it).
 
@@ -259,7 +266,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not paths:
         raise ValueError("no input given: name files or folders of instances")
-    problems, refused = read_inputs(paths, problem=problem, num_instances=num_instances, bks=bks)
+    problems, refused = read_inputs(paths, problem=problem, num_instances=num_instances, bks=bks, backhauls=backhauls)
     if not problems:
         raise NothingToSolveError("no instance could be read: " + "; ".join(r.error for r in refused[:5])
                                   + (f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""), refused)

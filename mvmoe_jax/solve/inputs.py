@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mvmoe_jax import checker, env, problems
-from mvmoe_jax.instances import Instance, stack
+from mvmoe_jax.instances import Instance, stack, with_backhaul_rule
 from mvmoe_jax.io import (load_bks, load_npz, load_paper_instances, read_json_instances, read_solomon, read_vrplib,
                           safe_pickle, variant_from_filename)
 from mvmoe_jax.io.paper import expected_fields
@@ -56,6 +56,11 @@ class Problem:
     @property
     def variant(self) -> str:
         return problems.variant_from_flags(*np.asarray(self.instance.flags)).name
+
+    @property
+    def backhaul_rule(self) -> str:
+        """The backhaul rule the instance is solved under (``problems.BACKHAUL_RULES``)."""
+        return problems.backhaul_rule_name(int(np.asarray(self.instance.backhaul_rule)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +122,20 @@ def _batch_problems(batch: Instance, path: str, num_instances: int | None) -> li
     return out
 
 
-def read_file(path: str, *, num_instances: int | None = None) -> list[Problem]:
-    """The problems in one file, with the variant the data shows. Raises ValueError naming the file."""
+def read_file(path: str, *, num_instances: int | None = None, backhaul_rule: str | None = None) -> list[Problem]:
+    """The problems in one file, with the variant the data shows, under the backhaul rule the file states or
+    implies (VRPLIB: classic; the paper's data and npz: as stored; JSON: its 'backhauls'), or ``backhaul_rule``
+    where given. Raises ValueError naming the file."""
+    read = _read_file(path, num_instances, backhaul_rule)
+    if backhaul_rule is not None:
+        read = [dataclasses.replace(p, instance=with_backhaul_rule(p.instance, backhaul_rule)) for p in read]
+    return read
+
+
+def _read_file(path: str, num_instances: int | None, backhaul_rule: str | None) -> list[Problem]:
     ext = os.path.splitext(path)[1].lower()
     if ext == ".vrp":
-        inst, meta = read_vrplib(path)
+        inst, meta = read_vrplib(path, backhaul_rule=backhaul_rule)
         return [Problem(meta.name, path, _single(inst), meta.scale, meta.coords, round_costs=meta.round_costs)]
     if ext == ".txt":
         inst, meta = read_solomon(path)
@@ -129,7 +143,7 @@ def read_file(path: str, *, num_instances: int | None = None) -> list[Problem]:
         coords = np.asarray(one.locs, np.float64) * meta.scale + np.asarray(meta.offset)
         return [Problem(meta.name, path, one, meta.scale, coords)]
     if ext == ".json":
-        read = read_json_instances(path)
+        read = read_json_instances(path, backhaul_rule=backhaul_rule)
         many = len(read) > 1
         return [Problem(meta.name, f"{path}#{i}" if many else path, _single(inst), meta.scale, meta.coords,
                         best_known=meta.best_known)
@@ -151,8 +165,9 @@ def check_servable(read: list[Problem], path: str) -> list[Problem]:
     if not read:
         return read
     bad = np.array([np.any(np.abs(np.asarray(p.instance.demand, np.float64)) > 1 + env.EPS) for p in read])
-    timed = np.array([bool(p.instance.has_tw) or bool(p.instance.has_limit) for p in read])
-    if timed.any():      # only time windows and route limits need the environment's replay
+    timed = np.array([bool(p.instance.has_tw) or bool(p.instance.has_limit) or checker.needs_classic_check(p.instance)
+                      for p in read])
+    if timed.any():      # only time windows, route limits and the classic rule's order need the environment's replay
         replay = checker.unreachable_customers(stack([p.instance for p, t in zip(read, timed) if t]))
         bad[timed] |= np.asarray(replay).any(axis=1)
     for i in np.flatnonzero(bad)[:1]:
@@ -165,13 +180,16 @@ def check_servable(read: list[Problem], path: str) -> list[Problem]:
     return read
 
 
-def _read_stated(path: str, stated: problems.Variant, num_instances: int | None) -> list[Problem]:
+def _read_stated(path: str, stated: problems.Variant, num_instances: int | None,
+                 backhaul_rule: str | None = None) -> list[Problem]:
     """``read_file`` for a stated variant: a paper pickle is read as that variant (its name may say another)."""
     if path.lower().endswith(".pkl"):
         batch = load_paper_instances(path, stated, num_instances=num_instances)
+        if backhaul_rule is not None:
+            batch = with_backhaul_rule(batch, backhaul_rule)
         read = _batch_problems(batch, path, None)
     else:
-        read = read_file(path, num_instances=num_instances)
+        read = read_file(path, num_instances=num_instances, backhaul_rule=backhaul_rule)
     return [dataclasses.replace(p, instance=state_variant(p.instance, stated, p.source)) for p in read]
 
 
@@ -198,18 +216,21 @@ def _safe_name(name: str) -> str:
 
 
 def read_inputs(paths, *, problem: str | None = None, num_instances: int | None = None,
-                bks: str | None = None) -> tuple[list[Problem], list[Refused]]:
+                bks: str | None = None, backhauls: str | None = None) -> tuple[list[Problem], list[Refused]]:
     """Every problem in ``paths`` (files or folders) and the inputs refused. ``problem``: the stated variant;
     ``num_instances``: at most this many from each file of several; ``bks``: a best-known-value table
-    (``io.load_bks``: BKS.json style), looked up by instance name (a JSON file's own best_known wins)."""
+    (``io.load_bks``: BKS.json style), looked up by instance name (a JSON file's own best_known wins);
+    ``backhauls``: the backhaul rule for every instance (``problems.BACKHAUL_RULES``), overriding the files'."""
     stated = None if problem is None else problems.get_variant(problem)
+    if backhauls is not None:
+        backhauls = problems.backhaul_rule_name(backhauls)
     table = load_bks(bks) if bks else {}
     files, refused = collect_files(paths)
     out, used = [], set()
     for path in files:
         try:
-            read = check_servable(read_file(path, num_instances=num_instances) if stated is None else
-                                  _read_stated(path, stated, num_instances), path)
+            read = check_servable(read_file(path, num_instances=num_instances, backhaul_rule=backhauls)
+                                  if stated is None else _read_stated(path, stated, num_instances, backhauls), path)
         except (ValueError, OSError) as e:
             message = " ".join(str(e).split())
             refused.append(Refused(path, message if path in message else f"{path}: {message}"))

@@ -47,16 +47,22 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec) if value is not None else format("-", f">{spec.split('.')[0]}")
 
 
+def variant_label(variant: str, backhaul_rule: str) -> str:
+    """The variant's name, with the backhaul rule for a variant with backhauls: ``VRPB/classic``."""
+    return f"{variant}/{backhaul_rule}" if "B" in variant.replace("VRP", "", 1) else variant
+
+
 def table(solutions, search: str) -> str:
-    """One line per solution: instance, variant, n, POMO starts used, cost (and greedy's when searching
+    """One line per solution: instance, variant (with its backhaul rule), n, POMO starts used, cost (and greedy's when searching
     further), best-known value, gap, seconds, checker verdict."""
     more = search != "greedy"
-    head = f"{'instance':24s} {'variant':9s} {'n':>5s} {'starts':>6s} {'cost':>12s}"
+    head = f"{'instance':24s} {'variant':16s} {'n':>5s} {'starts':>6s} {'cost':>12s}"
     head += f" {'greedy':>12s}" if more else ""
     head += f" {'best known':>11s} {'gap %':>7s} {'s':>7s}  checker"
     lines = [head]
     for s in solutions:
-        line = f"{s.name[:24]:24s} {s.variant:9s} {s.num_customers:5d} {s.starts:6d} {s.cost:12.3f}"
+        line = f"{s.name[:24]:24s} {variant_label(s.variant, s.backhaul_rule):16s} {s.num_customers:5d} {s.starts:6d} " \
+               f"{s.cost:12.3f}"
         line += f" {s.greedy_cost:12.3f}" if more else ""
         line += (f" {_fmt(s.best_known, '11.1f')} {_fmt(s.gap, '7.2f')} {s.seconds:7.2f}  "
                  f"{'ok' if s.feasible else s.violation}")

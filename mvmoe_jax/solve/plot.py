@@ -4,7 +4,7 @@ The depot is a black square, linehaul customers circles, backhaul customers tria
 colour (an open route stops at its last customer). Where time windows bind, the customer is ringed: red
 where the vehicle arrives with less than 1% of the depot's horizon left before the window closes, orange
 where it waits for the window to open. Routes within 1% of the route limit are drawn thicker and named in
-the legend with their length. The title gives the instance, variant, cost and the gap to a best-known value.
+the legend with their length. The title gives the instance, variant (with its backhaul rule), cost and the gap to a best-known value.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from mvmoe_jax.solve.outputs import variant_label
 
 TIGHT = 0.01          # a window or limit binds when less than this fraction of its scale is left
 
@@ -72,7 +74,8 @@ def plot_solution(path: str, problem, solution) -> str:
             ax.scatter(coords[nodes, 0], coords[nodes, 1], s=90, facecolors="none", edgecolors=colour, lw=1.4,
                        label=label, zorder=3)
     ax.scatter(coords[:1, 0], coords[:1, 1], s=90, c="black", marker="s", label="depot", zorder=4)
-    title = f"{solution.name}: {solution.variant}, n = {solution.num_customers}, cost {solution.cost:.6g}"
+    variant = variant_label(solution.variant, getattr(solution, "backhaul_rule", "paper"))
+    title = f"{solution.name}: {variant}, n = {solution.num_customers}, cost {solution.cost:.6g}"
     if solution.cost_rounded is not None:
         title += f" ({solution.cost_rounded:.6g} with rounded edges)"
     if solution.best_known is not None:
