@@ -110,6 +110,8 @@ def json_from_instance(inst, **extra):
         obj["route_limit"] = float(inst.route_limit) * SCALE
     if bool(inst.is_open):
         obj["open_routes"] = True
+    if bool(inst.has_backhaul):
+        obj["backhauls"] = instances.backhaul_rule_names(inst)[0]
     obj.update(extra)
     return obj
 
