@@ -1,10 +1,11 @@
 """Train MVMoE / MVMoE-L / POMO-MTL / POMO as the paper does (REINFORCE with the POMO shared baseline).
 
-    python train.py --config=configs/mvmoe.py                               # the paper's MVMoE/4E, n = 50
+    python train.py --config=configs/mvmoe.py                               # MVMoE/4E, n = 50, default recipe
+    python train.py --config=configs/mvmoe_paper.py                         # ... under the paper's recipe
     python train.py --config=configs/demo.py                                # a CPU demo in minutes
     python train.py --config=configs/mvmoe.py --config.problem_size=100 --config.pomo_size=100 \\
         --config.workdir=workdir_mvmoe100
-    python train.py --config=configs/mvmoe.py --config.workdir=workdir_ft \\
+    python train.py --config=configs/mvmoe_paper.py --config.workdir=workdir_ft \\
         --config.finetune_from=workdir --config.train_problems=VRPBLTW --config.train_episodes=10000
 
 Every config field can be overridden as ``--config.field=value``. Running the same command again resumes
