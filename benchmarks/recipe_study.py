@@ -198,6 +198,7 @@ def plot(report: dict, path: str) -> None:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, seeds) in enumerate(sorted(report["runs"].items())):
         for j, pts in enumerate(seeds.values()):
+            pts = [p for p in pts if p["epoch"] > 0]     # the untrained start (about 100 %) would flatten the rest
             for ax, key in zip(axes, ("trained", "unseen")):
                 ax.plot([p["train_seconds"] / 3600 for p in pts], [p[key] for p in pts], color=colours[i % 10],
                         alpha=0.8, label=arm if j == 0 else None)
