@@ -172,3 +172,29 @@ def test_every_study_arm_is_a_valid_run_config_and_points_are_read_back(tmp_path
     assert points[1]["instances"] == 1280 and points[1]["train_seconds"] == 19.0
     assert points[1]["trained"] == pytest.approx(np.mean(trained) / 2)
     assert points[0]["all"] == pytest.approx(np.mean(list(gaps.values())))
+
+
+def test_the_confirmation_compares_runs_at_the_cpu_time_all_reached(tmp_path):
+    confirmation = script_module("benchmarks/recipe_confirmation.py")
+    gaps = {v: 2.0 for v in problems.VARIANT_NAMES}
+
+    def write_run(name, seconds_and_scale):
+        work = tmp_path / name
+        work.mkdir()
+        rows = [{"epoch": 0, "step": 0, "time": {}, "val": {v: {"obj": 1, "gap": g} for v, g in gaps.items()}}]
+        for epoch, (seconds, scale) in enumerate(seconds_and_scale, 1):
+            rows.append({"epoch": epoch, "step": epoch, "time": {"train_cpu_seconds": seconds},
+                         "val": {v: {"obj": 1, "gap": g * scale} for v, g in gaps.items()}})
+        (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return f"{name}={work}"
+
+    runs = confirmation.parse_runs([write_run("fast", [(100.0, 0.5), (100.0, 0.25)]),
+                                    write_run("slow", [(300.0, 1.5)])])
+    report = confirmation.summarize(runs, 50)
+    assert report["common_seconds"] == 200.0 and report["start"]["trained"] == pytest.approx(2.0)
+    assert report["at_common_seconds"]["fast"]["trained"] == pytest.approx(0.5)
+    assert report["at_common_seconds"]["slow"]["unseen"] == pytest.approx(2.0 + (3.0 - 2.0) * 200 / 300)
+    with pytest.raises(SystemExit, match="NAME=WORKDIR"):
+        confirmation.parse_runs(["no_name"])
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        confirmation.parse_runs([f"x={tmp_path}"])
