@@ -1,0 +1,205 @@
+"""The moves of the local search, every candidate of a kind enumerated at once with its cost change.
+
+The current routes are a ``Layout``: int (R, W) rows ``[0, c_1, ..., c_m, 0, ...]`` (the depot, the route's
+customers, then depot padding), the last row an empty route, which lets a move open a new route. A move
+rewrites one route (intra-route moves) or two (inter-route moves); each new route is described by up to
+four *pieces*, slices of the current rows ``(row, first position, count, reversed)``, so that ``splice``
+builds the candidates' routes for ``route_rules.replay`` in one vectorised pass.
+
+Kinds (positions are indices into a row; a route of m customers has them at 1..m):
+
+- ``two_opt``      (intra) reverse the customers at i..j.
+- ``or_opt``       (intra) move the segment of 1 to 3 customers at i..i+k-1 elsewhere in its route, in
+                   either direction.
+- ``relocate``     (inter) move a segment of 1 to ``max_segment`` customers into another route (or a new
+                   one) between two neighbours, in either direction.
+- ``exchange``     (inter) swap two customers of different routes.
+- ``two_opt_star`` (inter) swap the tails of two routes (or split a route, with the empty row).
+
+The cost change of each candidate is computed from the four to six arcs it removes and adds (``arc``: the
+cost of each arc, open routes' arcs into the depot free), float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+KINDS = ("two_opt", "or_opt", "relocate", "exchange", "two_opt_star")
+INTRA = ("two_opt", "or_opt")
+OR_OPT_SEGMENT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The current routes. rows int32 (R, W): depot, customers, depot padding, the last row empty;
+    sizes int32 (R,) customers per row; route_of, position int32 (n+1,): each customer's row and position
+    (the depot's entries are -1)."""
+
+    rows: np.ndarray
+    sizes: np.ndarray
+    route_of: np.ndarray
+    position: np.ndarray
+
+    @classmethod
+    def from_routes(cls, routes, num_customers: int) -> "Layout":
+        """From lists of customers (non-empty); an empty row is appended."""
+        sizes = np.array([len(t) for t in routes] + [0], np.int32)
+        rows = np.zeros((len(sizes), int(sizes.max()) + 2), np.int32)
+        route_of = np.full(num_customers + 1, -1, np.int32)
+        position = np.full(num_customers + 1, -1, np.int32)
+        for r, t in enumerate(routes):
+            rows[r, 1:len(t) + 1] = t
+            route_of[np.asarray(t)] = r
+            position[np.asarray(t)] = np.arange(1, len(t) + 1)
+        return cls(rows, sizes, route_of, position)
+
+    def routes(self) -> list[list[int]]:
+        return [self.rows[r, 1:s + 1].tolist() for r, s in enumerate(self.sizes) if s]
+
+
+@dataclasses.dataclass
+class Candidates:
+    """Candidates of one kind (C of them): delta float64 (C,), the cost change; rows int (C, 2), the rows
+    rewritten (the second -1 for intra-route moves); first, second int (C, 4, 4): the pieces of the new routes
+    that replace them (``splice``; for intra-route moves ``second`` has none)."""
+
+    kind: str
+    delta: np.ndarray
+    rows: np.ndarray
+    first: np.ndarray
+    second: np.ndarray
+
+    def take(self, idx: np.ndarray) -> "Candidates":
+        return Candidates(self.kind, self.delta[idx], self.rows[idx], self.first[idx], self.second[idx])
+
+
+def _pieces(*pieces) -> np.ndarray:
+    """Pieces (row, start, count, reversed), each an array (C,) or scalar, -> int (C, 4, 4), padded with empty
+    pieces."""
+    cols = [np.stack(np.broadcast_arrays(*p), axis=-1) for p in pieces]
+    out = np.stack(cols, axis=1).astype(np.int32)
+    if out.shape[1] < 4:
+        out = np.concatenate([out, np.zeros((out.shape[0], 4 - out.shape[1], 4), np.int32)], axis=1)
+    return out
+
+
+def _none(count: int) -> np.ndarray:
+    return np.zeros((count, 4, 4), np.int32)
+
+
+def splice(layout: Layout, pieces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Build routes from pieces int (C, 4, 4) -> (customers int32 (C, L) padded with the depot, lengths (C,))."""
+    counts = pieces[..., 2]
+    lengths = counts.sum(axis=1)
+    width = max(int(lengths.max(initial=0)), 1)
+    offsets = np.cumsum(counts, axis=1) - counts                                  # (C, 4)
+    t = np.arange(width)
+    k = (t[None, :, None] >= offsets[:, None, :]).sum(-1) - 1                    # (C, L) the piece of slot t
+    piece = np.take_along_axis(pieces, k[..., None], axis=1)                     # (C, L, 4)
+    local = t[None, :] - np.take_along_axis(offsets, k, axis=1)
+    pos = np.where(piece[..., 3] == 1, piece[..., 1] + piece[..., 2] - 1 - local, piece[..., 1] + local)
+    pos = np.clip(pos, 0, layout.rows.shape[1] - 1)
+    nodes = layout.rows[piece[..., 0], pos]
+    return np.where(t[None, :] < lengths[:, None], nodes, 0).astype(np.int32), lengths.astype(np.int32)
+
+
+def two_opt(layout: Layout, arc: np.ndarray) -> Candidates:
+    rows, sizes = layout.rows, layout.sizes
+    r, i, j = np.nonzero(np.ones((len(sizes), rows.shape[1], rows.shape[1]), bool))
+    keep = (i >= 1) & (i < j) & (j <= sizes[r])
+    r, i, j = r[keep], i[keep], j[keep]
+    a, u, v, b = rows[r, i - 1], rows[r, i], rows[r, j], rows[r, j + 1]
+    delta = arc[a, v] + arc[u, b] - arc[a, u] - arc[v, b]
+    m = sizes[r]
+    first = _pieces((r, 1, i - 1, 0), (r, i, j - i + 1, 1), (r, j + 1, m - j, 0))
+    return Candidates("two_opt", delta, np.stack([r, np.full_like(r, -1)], 1), first, _none(len(r)))
+
+
+def _segments(layout: Layout, max_len: int):
+    """Every segment of 1..max_len customers of a route, and whether it is taken reversed (segments of one
+    customer only forwards): row, first position, count, reversed, each int (S,)."""
+    sizes = layout.sizes
+    r, i, k, rev = np.nonzero(np.ones((len(sizes), layout.rows.shape[1], max_len + 1, 2), bool))
+    keep = (i >= 1) & (k >= 1) & (i + k - 1 <= sizes[r]) & ((rev == 0) | (k >= 2))
+    return r[keep], i[keep], k[keep], rev[keep]
+
+
+def _segment_arcs(layout: Layout, arc: np.ndarray, r, i, k, rev):
+    """For segments: (removal's cost change, the segment's first and last customer in insertion order)."""
+    rows = layout.rows
+    a, f, l, b = rows[r, i - 1], rows[r, i], rows[r, i + k - 1], rows[r, i + k]
+    removal = arc[a, b] - arc[a, f] - arc[l, b]
+    head, tail = np.where(rev == 1, l, f), np.where(rev == 1, f, l)
+    return removal, head, tail
+
+
+def or_opt(layout: Layout, arc: np.ndarray, max_len: int = OR_OPT_SEGMENT) -> Candidates:
+    rows, sizes = layout.rows, layout.sizes
+    r, i, k, rev = _segments(layout, max_len)
+    s_idx, p = np.nonzero(np.ones((len(r), rows.shape[1]), bool))
+    r, i, k, rev = r[s_idx], i[s_idx], k[s_idx], rev[s_idx]
+    m = sizes[r]
+    keep = (p <= m) & ((p < i - 1) | (p >= i + k))
+    r, i, k, rev, p, m = r[keep], i[keep], k[keep], rev[keep], p[keep], m[keep]
+    removal, head, tail = _segment_arcs(layout, arc, r, i, k, rev)
+    x, y = rows[r, p], rows[r, p + 1]
+    delta = removal + arc[x, head] + arc[tail, y] - arc[x, y]
+    before = p < i - 1
+    first = np.where(before[:, None, None],
+                     _pieces((r, 1, p, 0), (r, i, k, rev), (r, p + 1, i - 1 - p, 0), (r, i + k, m - i - k + 1, 0)),
+                     _pieces((r, 1, i - 1, 0), (r, i + k, np.maximum(p - i - k + 1, 0), 0), (r, i, k, rev),
+                             (r, p + 1, m - p, 0)))
+    return Candidates("or_opt", delta, np.stack([r, np.full_like(r, -1)], 1), first, _none(len(r)))
+
+
+def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1) -> Candidates:
+    rows, sizes = layout.rows, layout.sizes
+    r, i, k, rev = _segments(layout, max_len)
+    # Insertion slots: between positions p and p + 1 of row s, p = 0..size.
+    s_all, p_all = np.nonzero(np.arange(rows.shape[1])[None, :] <= sizes[:, None])
+    seg, slot = np.nonzero(r[:, None] != s_all[None, :])
+    r, i, k, rev, s, p = r[seg], i[seg], k[seg], rev[seg], s_all[slot], p_all[slot]
+    # A whole route moved into the empty row changes nothing.
+    keep = ~((sizes[s] == 0) & (k == sizes[r]))
+    r, i, k, rev, s, p = r[keep], i[keep], k[keep], rev[keep], s[keep], p[keep]
+    removal, head, tail = _segment_arcs(layout, arc, r, i, k, rev)
+    x, y = rows[s, p], rows[s, p + 1]
+    delta = removal + arc[x, head] + arc[tail, y] - arc[x, y]
+    m_r, m_s = sizes[r], sizes[s]
+    first = _pieces((r, 1, i - 1, 0), (r, i + k, m_r - i - k + 1, 0))
+    second = _pieces((s, 1, p, 0), (r, i, k, rev), (s, p + 1, m_s - p, 0))
+    return Candidates("relocate", delta, np.stack([r, s], 1), first, second)
+
+
+def exchange(layout: Layout, arc: np.ndarray) -> Candidates:
+    rows, sizes, route_of, position = layout.rows, layout.sizes, layout.route_of, layout.position
+    u, v = np.nonzero(route_of[:, None] < route_of[None, :])
+    keep = (u >= 1) & (route_of[u] >= 0)
+    u, v = u[keep], v[keep]
+    r, i, s, j = route_of[u], position[u], route_of[v], position[v]
+    a_u, b_u, a_v, b_v = rows[r, i - 1], rows[r, i + 1], rows[s, j - 1], rows[s, j + 1]
+    delta = (arc[a_u, v] + arc[v, b_u] - arc[a_u, u] - arc[u, b_u]
+             + arc[a_v, u] + arc[u, b_v] - arc[a_v, v] - arc[v, b_v])
+    first = _pieces((r, 1, i - 1, 0), (s, j, 1, 0), (r, i + 1, sizes[r] - i, 0))
+    second = _pieces((s, 1, j - 1, 0), (r, i, 1, 0), (s, j + 1, sizes[s] - j, 0))
+    return Candidates("exchange", delta, np.stack([r, s], 1), first, second)
+
+
+def two_opt_star(layout: Layout, arc: np.ndarray) -> Candidates:
+    rows, sizes = layout.rows, layout.sizes
+    r, s, i, j = np.nonzero(np.ones((len(sizes), len(sizes), rows.shape[1], rows.shape[1]), bool))
+    keep = (r < s) & (i <= sizes[r]) & (j <= sizes[s]) & (sizes[r] > 0)
+    # Cutting both routes at their ends (or both at their starts) leaves them as they are.
+    keep &= ~((i == sizes[r]) & (j == sizes[s])) & ~((i == 0) & (j == 0))
+    r, s, i, j = r[keep], s[keep], i[keep], j[keep]
+    x, x1, y, y1 = rows[r, i], rows[r, i + 1], rows[s, j], rows[s, j + 1]
+    delta = arc[x, y1] + arc[y, x1] - arc[x, x1] - arc[y, y1]
+    first = _pieces((r, 1, i, 0), (s, j + 1, sizes[s] - j, 0))
+    second = _pieces((s, 1, j, 0), (r, i + 1, sizes[r] - i, 0))
+    return Candidates("two_opt_star", delta, np.stack([r, s], 1), first, second)
+
+
+GENERATORS = {"two_opt": two_opt, "or_opt": or_opt, "relocate": relocate, "exchange": exchange,
+              "two_opt_star": two_opt_star}
