@@ -439,6 +439,27 @@ def test_sampling_never_returns_worse_than_greedy_and_repeats_exactly_by_seed(sm
     assert [s.samples for s in short] == [1] * 8
 
 
+def test_the_local_search_after_a_search_is_checked_never_worse_and_reported(tmp_path, shipped_small, capsys):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps([json_from_instance(jax.tree.map(lambda x: x[i], generated(v, 1, seed=8)))
+                                for i, v in ((0, "VRPBLTW"), (0, "OVRPL"))]))
+    out = tmp_path / "out"
+    assert main([str(path), f"--output={out}", "--improve=ls", "--no_progress"]) == 0
+    captured = capsys.readouterr().out
+    assert "local search: 2 of 2 solution(s) improved" in captured
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["improve"] == "ls"
+    problems_read = {p.name: p for p in inputs.read_inputs([path])[0]}
+    for s in summary["instances"]:
+        assert s["improve"] == "ls" and s["improve_seconds"] > 0
+        assert s["cost"] < s["searched_cost"] <= s["greedy_cost"] * (1 + 1e-12)
+        feasible, cost = _replay(problems_read[s["name"]], vrplib.read_solution(str(out / f"{s['name']}.sol"))["routes"])
+        assert feasible and cost == pytest.approx(s["cost"], rel=1e-5)
+    with pytest.raises(SystemExit):
+        main([str(path), "--improve=2opt", "--no_progress"])
+    assert "invalid choice: '2opt'" in capsys.readouterr().err
+
+
 def test_a_round_holds_fewer_samples_where_the_time_limit_is_short():
     """Sampled rollouts per start and copy in a round: as asked without a time limit or where a round of them
     fits after greedy (a sampled rollout costing 1.5 greedy ones), else as many as fit, at least one."""

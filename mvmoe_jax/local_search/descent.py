@@ -83,11 +83,11 @@ def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_s
         return {}, []
     improving = improving[np.argsort(delta[improving], kind="stable")][:MAX_REPLAYED]
     # Gathered kind by kind, then put back in the order of their cost change.
-    parts = [found[n].take(index[improving[kind_of[improving] == n]]) for n in range(len(found))]
+    parts = [mv.build(layout, found[n].take(index[improving[kind_of[improving] == n]])) for n in range(len(found))]
     order = np.argsort(np.argsort(kind_of[improving], kind="stable"), kind="stable")
-    rows = np.concatenate([c.rows for c in parts])[order]
-    first, first_len = mv.splice(layout, np.concatenate([c.first for c in parts])[order])
-    second, second_len = mv.splice(layout, np.concatenate([c.second for c in parts])[order])
+    rows = np.concatenate([p[0] for p in parts])[order]
+    first, first_len = mv.splice(layout, np.concatenate([p[1] for p in parts])[order])
+    second, second_len = mv.splice(layout, np.concatenate([p[2] for p in parts])[order])
     ok = replay(rules, first, first_len) & (replay(rules, second, second_len) | (second_len == 0))
     # The exact change, from the routes themselves.
     new_cost = route_costs(rules, first) + np.where(second_len > 0, route_costs(rules, second), 0.0)
@@ -95,14 +95,17 @@ def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_s
     ok &= new_cost - old_cost < -MIN_GAIN
     changed: dict[int, list[int]] = {}
     applied = []
-    for c in np.flatnonzero(ok):
-        touched = [int(x) for x in rows[c] if x >= 0]
-        if any(x in changed for x in touched):
+    touched_rows = rows.tolist()
+    for c in np.flatnonzero(ok).tolist():
+        r1, r2 = touched_rows[c]
+        if r1 in changed or r2 in changed:
             continue
-        changed[touched[0]] = first[c, :first_len[c]].tolist()
-        if len(touched) > 1:
-            changed[touched[1]] = second[c, :second_len[c]].tolist()
+        changed[r1] = first[c, :first_len[c]].tolist()
+        if r2 >= 0:
+            changed[r2] = second[c, :second_len[c]].tolist()
         applied.append(kinds[kind_of[improving[c]]])
+        if len(changed) >= len(costs) - 1:
+            break
     return changed, applied
 
 
@@ -136,7 +139,7 @@ def improve(rules: RouteRules, routes: Sequence[Sequence[int]], *, kinds: Sequen
             break
         for k in kinds_applied:
             applied[k] += 1
-        new = [layout.rows[r, 1:s + 1].tolist() for r, s in enumerate(layout.sizes)]
+        new = layout.routes_by_row()
         for r, t in changed.items():
             new[r] = t
         current = [t for t in new if t]

@@ -55,24 +55,28 @@ class Layout:
             position[np.asarray(t)] = np.arange(1, len(t) + 1)
         return cls(rows, sizes, route_of, position)
 
-    def routes(self) -> list[list[int]]:
-        return [self.rows[r, 1:s + 1].tolist() for r, s in enumerate(self.sizes) if s]
+    def routes_by_row(self) -> list[list[int]]:
+        """Each row's customers (the last row's list empty)."""
+        return [self.rows[r, 1:s + 1].tolist() for r, s in enumerate(self.sizes)]
 
 
 @dataclasses.dataclass
 class Candidates:
-    """Candidates of one kind (C of them): delta float64 (C,), the cost change; rows int (C, 2), the rows
-    rewritten (the second -1 for intra-route moves); first, second int (C, 4, 4): the pieces of the new routes
-    that replace them (``splice``; for intra-route moves ``second`` has none)."""
+    """Candidates of one kind (C of them): delta float64 (C,), the cost change; params int (C, 6), what
+    ``build`` needs to write them out."""
 
     kind: str
     delta: np.ndarray
-    rows: np.ndarray
-    first: np.ndarray
-    second: np.ndarray
+    params: np.ndarray
 
     def take(self, idx: np.ndarray) -> "Candidates":
-        return Candidates(self.kind, self.delta[idx], self.rows[idx], self.first[idx], self.second[idx])
+        return Candidates(self.kind, self.delta[idx], self.params[idx])
+
+
+def _params(*cols) -> np.ndarray:
+    cols = list(np.broadcast_arrays(*cols))
+    cols += [np.zeros_like(cols[0])] * (6 - len(cols))
+    return np.stack(cols, axis=1).astype(np.int32)
 
 
 def _pieces(*pieces) -> np.ndarray:
@@ -112,9 +116,12 @@ def two_opt(layout: Layout, arc: np.ndarray) -> Candidates:
     r, i, j = r[keep], i[keep], j[keep]
     a, u, v, b = rows[r, i - 1], rows[r, i], rows[r, j], rows[r, j + 1]
     delta = arc[a, v] + arc[u, b] - arc[a, u] - arc[v, b]
-    m = sizes[r]
-    first = _pieces((r, 1, i - 1, 0), (r, i, j - i + 1, 1), (r, j + 1, m - j, 0))
-    return Candidates("two_opt", delta, np.stack([r, np.full_like(r, -1)], 1), first, _none(len(r)))
+    return Candidates("two_opt", delta, _params(r, i, j))
+
+
+def _build_two_opt(layout: Layout, r, i, j, *_):
+    m = layout.sizes[r]
+    return _pieces((r, 1, i - 1, 0), (r, i, j - i + 1, 1), (r, j + 1, m - j, 0)), None
 
 
 def _segments(layout: Layout, max_len: int):
@@ -146,12 +153,17 @@ def or_opt(layout: Layout, arc: np.ndarray, max_len: int = OR_OPT_SEGMENT) -> Ca
     removal, head, tail = _segment_arcs(layout, arc, r, i, k, rev)
     x, y = rows[r, p], rows[r, p + 1]
     delta = removal + arc[x, head] + arc[tail, y] - arc[x, y]
+    return Candidates("or_opt", delta, _params(r, i, k, rev, p))
+
+
+def _build_or_opt(layout: Layout, r, i, k, rev, p, _):
+    m = layout.sizes[r]
     before = p < i - 1
     first = np.where(before[:, None, None],
                      _pieces((r, 1, p, 0), (r, i, k, rev), (r, p + 1, i - 1 - p, 0), (r, i + k, m - i - k + 1, 0)),
                      _pieces((r, 1, i - 1, 0), (r, i + k, np.maximum(p - i - k + 1, 0), 0), (r, i, k, rev),
                              (r, p + 1, m - p, 0)))
-    return Candidates("or_opt", delta, np.stack([r, np.full_like(r, -1)], 1), first, _none(len(r)))
+    return first, None
 
 
 def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1) -> Candidates:
@@ -167,10 +179,13 @@ def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1) -> Candidates:
     removal, head, tail = _segment_arcs(layout, arc, r, i, k, rev)
     x, y = rows[s, p], rows[s, p + 1]
     delta = removal + arc[x, head] + arc[tail, y] - arc[x, y]
-    m_r, m_s = sizes[r], sizes[s]
-    first = _pieces((r, 1, i - 1, 0), (r, i + k, m_r - i - k + 1, 0))
-    second = _pieces((s, 1, p, 0), (r, i, k, rev), (s, p + 1, m_s - p, 0))
-    return Candidates("relocate", delta, np.stack([r, s], 1), first, second)
+    return Candidates("relocate", delta, _params(r, i, k, rev, s, p))
+
+
+def _build_relocate(layout: Layout, r, i, k, rev, s, p):
+    m_r, m_s = layout.sizes[r], layout.sizes[s]
+    return (_pieces((r, 1, i - 1, 0), (r, i + k, m_r - i - k + 1, 0)),
+            _pieces((s, 1, p, 0), (r, i, k, rev), (s, p + 1, m_s - p, 0)))
 
 
 def exchange(layout: Layout, arc: np.ndarray) -> Candidates:
@@ -182,9 +197,13 @@ def exchange(layout: Layout, arc: np.ndarray) -> Candidates:
     a_u, b_u, a_v, b_v = rows[r, i - 1], rows[r, i + 1], rows[s, j - 1], rows[s, j + 1]
     delta = (arc[a_u, v] + arc[v, b_u] - arc[a_u, u] - arc[u, b_u]
              + arc[a_v, u] + arc[u, b_v] - arc[a_v, v] - arc[v, b_v])
-    first = _pieces((r, 1, i - 1, 0), (s, j, 1, 0), (r, i + 1, sizes[r] - i, 0))
-    second = _pieces((s, 1, j - 1, 0), (r, i, 1, 0), (s, j + 1, sizes[s] - j, 0))
-    return Candidates("exchange", delta, np.stack([r, s], 1), first, second)
+    return Candidates("exchange", delta, _params(r, i, s, j))
+
+
+def _build_exchange(layout: Layout, r, i, s, j, *_):
+    sizes = layout.sizes
+    return (_pieces((r, 1, i - 1, 0), (s, j, 1, 0), (r, i + 1, sizes[r] - i, 0)),
+            _pieces((s, 1, j - 1, 0), (r, i, 1, 0), (s, j + 1, sizes[s] - j, 0)))
 
 
 def two_opt_star(layout: Layout, arc: np.ndarray) -> Candidates:
@@ -196,9 +215,31 @@ def two_opt_star(layout: Layout, arc: np.ndarray) -> Candidates:
     r, s, i, j = r[keep], s[keep], i[keep], j[keep]
     x, x1, y, y1 = rows[r, i], rows[r, i + 1], rows[s, j], rows[s, j + 1]
     delta = arc[x, y1] + arc[y, x1] - arc[x, x1] - arc[y, y1]
-    first = _pieces((r, 1, i, 0), (s, j + 1, sizes[s] - j, 0))
-    second = _pieces((s, 1, j, 0), (r, i + 1, sizes[r] - i, 0))
-    return Candidates("two_opt_star", delta, np.stack([r, s], 1), first, second)
+    return Candidates("two_opt_star", delta, _params(r, i, s, j))
+
+
+def _build_two_opt_star(layout: Layout, r, i, s, j, *_):
+    sizes = layout.sizes
+    return (_pieces((r, 1, i, 0), (s, j + 1, sizes[s] - j, 0)),
+            _pieces((s, 1, j, 0), (r, i + 1, sizes[r] - i, 0)))
+
+
+# The rows each kind rewrites (params' columns), and its new routes.
+_ROWS = {"two_opt": (0,), "or_opt": (0,), "relocate": (0, 4), "exchange": (0, 2), "two_opt_star": (0, 2)}
+_BUILDERS = {"two_opt": _build_two_opt, "or_opt": _build_or_opt, "relocate": _build_relocate,
+             "exchange": _build_exchange, "two_opt_star": _build_two_opt_star}
+
+
+def build(layout: Layout, cands: Candidates) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidates written out: (rows int (C, 2), the rows they rewrite, the second -1 for intra-route moves;
+    first, second int (C, 4, 4), the pieces of the routes replacing them, ``second`` empty for intra-route
+    moves)."""
+    cols = _ROWS[cands.kind]
+    rows = np.full((len(cands.delta), 2), -1, np.int32)
+    for n, c in enumerate(cols):
+        rows[:, n] = cands.params[:, c]
+    first, second = _BUILDERS[cands.kind](layout, *cands.params.T)
+    return rows, first, _none(len(cands.delta)) if second is None else second
 
 
 GENERATORS = {"two_opt": two_opt, "or_opt": or_opt, "relocate": relocate, "exchange": exchange,

@@ -29,7 +29,7 @@ ONE_EPS = F32(1.0 + env.EPS)
 class RouteRules:
     """One instance's data as the rules read it (host arrays).
 
-      dist:    float32 (n+1, n+1) the environment's distances (``env.distance_matrix``, bitwise).
+      dist:    float32 (n+1, n+1) the environment's distances (``distance_matrix``).
       arc:     float64 (n+1, n+1) the cost of each arc: ``dist``, with open routes 0 into the depot.
       demand, service_time, tw_start, tw_end: float32 (n+1,).
       route_limit: float32 (); is_open, has_backhaul, has_limit, has_tw: bool; backhaul_rule: int.
@@ -56,7 +56,7 @@ class RouteRules:
         host = jax.device_get(inst)
         if np.ndim(host.locs) != 2:
             raise ValueError(f"expected one instance (locs of shape (n+1, 2)), got locs {np.shape(host.locs)}")
-        dist = np.asarray(jax.device_get(env.distance_matrix(inst.locs)), F32)
+        dist = distance_matrix(np.asarray(host.locs, F32))
         arc = dist.astype(np.float64)
         if bool(host.is_open):
             arc[:, 0] = 0.0
@@ -74,6 +74,15 @@ class RouteRules:
         """bool (C,): whether each route leaves the depot full under the paper's rule, i.e. holds a linehaul
         (it then comes before every route of backhauls only, ``solution_order``)."""
         return np.any(self.demand[routes] > 0, axis=1)
+
+
+def distance_matrix(locs: np.ndarray) -> np.ndarray:
+    """float32 (n+1, n+1) from coordinates float32 (n+1, 2): ``env.distance_matrix``'s values bitwise (each
+    square rounded to float32, then their sum, then the square root; numpy fuses nothing)."""
+    x, y = locs[:, 0], locs[:, 1]
+    dx = x[None, :] - x[:, None]
+    dy = y[None, :] - y[:, None]
+    return np.sqrt(dx * dx + dy * dy).astype(F32)
 
 
 def route_costs(rules: RouteRules, routes: np.ndarray) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Solve one's own routing instances with a trained policy; write routes, a summary and plots.
 
     python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas] [--time_limit=S]
-        [--output=DIR] [--plot] [--problem=VARIANT] [--backhauls=paper|classic|mixed] [--bks=BKS.json]
-        [--save_adapted=FILE.npz]
+        [--improve=none|ls] [--output=DIR] [--plot] [--problem=VARIANT] [--backhauls=paper|classic|mixed]
+        [--bks=BKS.json] [--save_adapted=FILE.npz]
 
 INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
 and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
@@ -30,6 +30,10 @@ def _parser(searches) -> argparse.ArgumentParser:
                    help="greedy: greedy x8 from every POMO start (default); sampling: then sampled rollouts per "
                         "start and augmentation, keeping the best; eas: then efficient active search (EAS-Emb: each "
                         "instance's node embeddings adapted by gradient steps), keeping the best")
+    p.add_argument("--improve", default="none", choices=("none", "ls"),
+                   help="ls: then a local search on each solution (2-opt, or-opt, relocate, exchange, 2-opt* under "
+                        "the instance's rules, to a local optimum; its time is reported apart and not part of "
+                        "--time_limit)")
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds per instance for the search, greedy included (compilation not)")
     p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
@@ -65,6 +69,17 @@ def _parser(searches) -> argparse.ArgumentParser:
     return p
 
 
+def _local_search_line(solutions) -> str:
+    """What the local search did over the feasible solutions: how many it improved, by how much, in what time."""
+    done = [s for s in solutions if s.feasible and s.searched_cost]
+    if not done:
+        return "local search: no feasible solution to improve"
+    change = [(s.cost - s.searched_cost) / s.searched_cost * 100.0 for s in done]
+    better = sum(s.cost < s.searched_cost for s in done)
+    return (f"local search: {better} of {len(done)} solution(s) improved, cost {sum(change) / len(done):+.2f} % on "
+            f"average, {sum(s.improve_seconds for s in done) / len(done):.2f} s per instance")
+
+
 def main(argv=None, *, setup_process: bool = False) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_process``: first
     the plan's huge pages (the process is started again with them) and a CPU's cores as devices, which must
@@ -84,7 +99,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
                            backhauls=args.backhauls,
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
                            progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
-                           eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted)
+                           eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted,
+                           improve=args.improve)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)
@@ -98,6 +114,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
     for what, decode_plan in report.plans.items():
         print(f"{what}: {decode_plan}")
     print(report.table())
+    if report.improve == "ls":
+        print(_local_search_line(report.solutions))
     failed = [s for s in report.solutions if not s.feasible]
     for s in failed:
         print(f"error: {s.name}: the route fails the checker ({s.violation}); nothing written for it", file=sys.stderr)

@@ -33,6 +33,7 @@ from mvmoe_jax.solve.models import Models
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
 
 SUMMARY_FILE = "summary.json"
+IMPROVERS = ("none", "ls")   # what runs on the search's solution: nothing, or the local search (mvmoe_jax.local_search)
 COST_RTOL = 1e-4          # the file-unit cost and the checker's (float32, unit square) must agree this well
 
 
@@ -68,6 +69,8 @@ class Solution:
                     that many would not fit the time limit); the same seed, rounds and samples repeat the run.
                     Else None.
       files:        what was written for it ({"sol": path, "plot": path}).
+      improve:      the improvement run after the search (``IMPROVERS``: ``none`` or ``ls``, the local search);
+                    improve_seconds its time (not in ``seconds``); searched_cost the search's cost before it.
       adapted:      EAS's adapted node embeddings, float32 (8, n + 1, D), one set per symmetric copy, when asked
                     for (``keep_adapted``); else None. Not in the JSON summary.
     """
@@ -91,6 +94,9 @@ class Solution:
     model: str
     samples: int | None = None
     backhaul_rule: str = "paper"
+    improve: str = "none"
+    improve_seconds: float = 0.0
+    searched_cost: float | None = None
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     adapted: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
@@ -120,12 +126,13 @@ class SolveReport:
     seconds: float
     summary_file: str | None = None
     adapted_file: str | None = None
+    improve: str = "none"
 
     def table(self) -> str:
         return outputs.table(self.solutions, self.search)
 
     def to_json(self) -> dict:
-        return {"search": self.search, "settings": dataclasses.asdict(self.settings), "seed": self.seed,
+        return {"search": self.search, "improve": self.improve, "settings": dataclasses.asdict(self.settings), "seed": self.seed,
                 "models": {str(n): m for n, m in self.models.items()}, "plans": self.plans,
                 "device": str(jax.local_devices()[0].device_kind), "num_devices": len(jax.local_devices()),
                 "seconds": self.seconds, "compile_seconds": self.compile_seconds,
@@ -174,14 +181,16 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                    search: str = "greedy", settings: Settings = Settings(), seed: int = 0,
                    batch_size: int | None = None, progress: bool = False,
                    on_solution: Callable[[Problem, Solution], None] | None = None,
-                   execution: ExecutionPlan | None = None, keep_adapted: bool = False
+                   execution: ExecutionPlan | None = None, keep_adapted: bool = False, improve: str = "none"
                    ) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
     each is found. ``execution``: the execution plan (None: the default backend's preset). ``keep_adapted``:
-    each Solution keeps EAS's adapted embeddings (``search="eas"`` only)."""
+    each Solution keeps EAS's adapted embeddings (``search="eas"`` only). ``improve``: ``ls`` runs the local search
+    on each searched solution (``IMPROVERS``)."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
+    _check_improve(improve)
     if keep_adapted and search != "eas":
         raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
     out: list[Solution | None] = [None] * len(problems)
@@ -202,9 +211,15 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         for kind, plan in res.plans.items():
             plans[f"n={n} {kind}"] = plan.describe()
         real = take(batch, np.arange(len(group)))
-        checks = checker.check_routes(real, [checker.actions_to_route(a) for a in res.actions[:len(group)]])
+        searched = [checker.actions_to_route(a) for a in res.actions[:len(group)]]
+        routes, costs, improve_s = searched, [float(c) for c in res.cost[:len(group)]], [0.0] * len(group)
+        if improve == "ls":
+            routes, costs, improve_s = _local_search(real, searched, costs)
+        checks = checker.check_routes(real, routes)
         for j, (i, p) in enumerate(zip(idx, group)):
-            out[i] = _solution(p, res.actions[j], res.greedy_actions[j], checks[j], float(res.cost[j]),
+            searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
+            out[i] = _solution(p, routes[j], res.greedy_actions[j], checks[j], costs[j],
+                               improve=improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
                                seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search,
                                rounds=res.rounds, model=name, samples=res.samples,
                                adapted=res.adapted[j] if keep_adapted else None)
@@ -213,6 +228,32 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         bar.update(len(group))
     bar.close()
     return out, plans, compile_s
+
+
+def _check_improve(improve: str) -> None:
+    if improve not in IMPROVERS:
+        raise ValueError(f"unknown improvement {improve!r}; choose one of {', '.join(IMPROVERS)}")
+
+
+def _local_search(instances: Instance, routes: list[list[int]], costs: list[float]):
+    """The local search on each instance's flat route (a batched Instance): (flat routes, costs in the unit square,
+    seconds each). A route the environment refuses (a search that found no complete solution) is left as it is,
+    for the checker to report."""
+    from mvmoe_jax import local_search
+
+    out, out_costs, seconds = [], [], []
+    for j, route in enumerate(routes):
+        t0 = time.perf_counter()
+        try:
+            found = local_search.improve_instance(jax.tree.map(lambda x: x[j], instances), checker.split_subtours(route))
+        except local_search.StartInfeasibleError:
+            out.append(route)
+            out_costs.append(costs[j])
+        else:
+            out.append([v for t in found.routes for v in (*t, 0)][:-1])
+            out_costs.append(found.cost)
+        seconds.append(time.perf_counter() - t0)
+    return out, out_costs, seconds
 
 
 def _write(output: str | None, plot: bool):
@@ -234,7 +275,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
           memory_budget: int | None = None, execution: ExecutionPlan | None = None,
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
-          save_adapted: str | None = None) -> SolveReport:
+          save_adapted: str | None = None, improve: str = "none") -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
@@ -260,6 +301,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
         raise ValueError(f"--batch_size must be a positive integer, got {batch_size}")
     if save_adapted is not None and search != "eas":
         raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
+    _check_improve(improve)
     settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
                         memory_budget=memory_budget, eas_learning_rate=eas_learning_rate,
                         eas_imitation_weight=eas_imitation_weight)
@@ -284,8 +326,9 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
         solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
                                                      batch_size=batch_size, progress=progress,
                                                      on_solution=_write(output, plot), execution=execution,
-                                                     keep_adapted=save_adapted is not None)
+                                                     keep_adapted=save_adapted is not None, improve=improve)
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
+                         improve=improve,
                          models=names, plans=plans, compile_seconds=compile_s, seconds=0.0)
     if save_adapted is not None:
         report.adapted_file = outputs.write_adapted(save_adapted, solutions)
@@ -296,10 +339,12 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
 
 
 def solve_instances(cfg: PolicyConfig, params, batch: Instance, *, search: str = "greedy", seed: int = 0,
-                    batch_size: int | None = None, keep_adapted: bool = False, **settings) -> list[Solution]:
+                    batch_size: int | None = None, keep_adapted: bool = False, improve: str = "none",
+                    **settings) -> list[Solution]:
     """Solve a batched Instance already in memory (B instances, unit square) with the policy (cfg, params):
     one Solution per instance, costs in the Instance's units. ``settings``: ``search.Settings`` fields.
-    ``keep_adapted``: with ``search="eas"``, each Solution's ``adapted`` holds its adapted embeddings."""
+    ``keep_adapted``: with ``search="eas"``, each Solution's ``adapted`` holds its adapted embeddings. ``improve``:
+    ``ls`` runs the local search on each searched solution."""
     k = int(batch.locs.shape[0])
     problems = [Problem(name=f"instance-{i}", source=f"<batch>#{i}", instance=jax.tree.map(lambda x: x[i], batch),
                         coords=np.asarray(batch.locs[i], np.float64)) for i in range(k)]
@@ -307,5 +352,5 @@ def solve_instances(cfg: PolicyConfig, params, batch: Instance, *, search: str =
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         solutions, _, _ = solve_problems(problems, lambda n: ("<given>", cfg, params), search=search,
                                          settings=Settings(**settings), seed=seed, batch_size=batch_size,
-                                         keep_adapted=keep_adapted)
+                                         keep_adapted=keep_adapted, improve=improve)
     return solutions
