@@ -16,6 +16,14 @@ at one limit can compare EAS with OR-Tools alone:
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=ALL --time_limits=2 \
         --methods=greedy,eas --solvers=ortools --output=all_variants_2s.json
 
+``--improve`` adds, for each of the policy's runs, the same routes improved afterwards: ``ls`` by the local search
+(``mvmoe_jax.local_search``, as ``--improve=ls`` of ``mvmoe_jax.solve``), ``ortools_ls`` by OR-Tools' own local
+search from them (greedy descent to its local optimum, one process, the paper's backhaul rule); their rows count
+the search's and the improvement's seconds:
+
+    python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=CVRP,VRPTW,OVRP,VRPBLTW \
+        --num_instances=20 --methods=greedy --improve=none,ls,ortools_ls --solvers=ortools --time_limits=0.25,1
+
 JSON, markdown and a PNG (gap against seconds per instance, one panel per variant) go to ``--output``, the
 JSON after every variant. Each variant is measured in one go on one machine, and its entry names the machine
 and commit; ``--resume`` continues the report at ``--output``, measuring only the variants it lacks (the run's
@@ -55,12 +63,39 @@ def _row(method: str, time_limit: float | None, costs: np.ndarray, reference: np
 
 # The policy's searches, in the order they run.
 POLICY_METHODS = ("greedy", "sampling", "eas")
+# What may improve a search's routes afterwards (``none``: the search's own row).
+IMPROVEMENTS = ("none", "ls", "ortools_ls")
+
+
+def improved_routes(batch, routes, improvement: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each instance's routes (lists of customers) improved by ``improvement``: (costs float64 (K,), seconds (K,),
+    how many the checker accepts)."""
+    import jax
+
+    from mvmoe_jax import checker, local_search
+    from mvmoe_jax.baselines import ortools_solver
+
+    flat = [[v for t in r for v in (*t, 0)][:-1] for r in routes]
+    if improvement == "ls":
+        costs, seconds, out = [], [], []
+        for i, r in enumerate(routes):
+            found = local_search.improve_instance(jax.tree.map(lambda x: x[i], batch), r)
+            costs.append(found.cost)
+            seconds.append(found.seconds)
+            out.append([v for t in found.routes for v in (*t, 0)][:-1])
+    elif improvement == "ortools_ls":
+        sols = ortools_solver.improve(batch, flat, time_limit=600.0, check=False)
+        costs, seconds, out = sols.costs, sols.seconds, sols.routes
+    else:
+        raise ValueError(f"unknown improvement {improvement!r}; choose from {', '.join(IMPROVEMENTS)}")
+    feasible = sum(c.feasible for c in checker.check_routes(batch, out))
+    return np.asarray(costs, np.float64), np.asarray(seconds, np.float64), feasible
 
 
 def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: int,
-                methods=POLICY_METHODS) -> list[dict]:
+                methods=POLICY_METHODS, improve=("none",)) -> list[dict]:
     """Greedy x8 once, then sampling and EAS at each time limit (seconds per instance), those of them in
-    ``methods``."""
+    ``methods``; each followed by the rows of its routes improved by each of ``improve`` but ``none``."""
     from mvmoe_jax.solve import solve_instances
 
     rows = []
@@ -79,6 +114,15 @@ def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: in
                          **({"samples": sorted({s.samples for s in sols})} if search == "sampling" else {})))
         print(f"  {method:10s} {limit or '':>5}  gap {rows[-1]['gap']:6.2f}%  {rows[-1]['seconds_per_instance']:.2f} s/inst",
               flush=True)
+        for improvement in improve:
+            if improvement == "none":
+                continue
+            costs, improve_s, feasible = improved_routes(batch, [s.routes for s in sols], improvement)
+            rows.append(_row(f"{method} + {improvement}", limit, costs, reference, seconds + float(improve_s.sum()),
+                             feasible, improve_seconds_per_instance=float(improve_s.mean()),
+                             improve_seconds_max=float(improve_s.max())))
+            print(f"  {rows[-1]['method']:10s} {limit or '':>5}  gap {rows[-1]['gap']:6.2f}%  "
+                  f"{rows[-1]['seconds_per_instance']:.2f} s/inst (improvement {improve_s.mean():.3f})", flush=True)
     return rows
 
 
@@ -104,7 +148,9 @@ def baseline_rows(batch, variant: str, reference: np.ndarray, time_limits, worke
 
 
 # What a resumed run must share with the report it continues.
-SETTINGS = ("checkpoint", "num_instances", "time_limits", "methods", "solvers", "workers", "seed")
+SETTINGS = ("checkpoint", "num_instances", "time_limits", "methods", "solvers", "workers", "seed", "improve")
+# Settings that older reports lack, as they were measured.
+SETTING_DEFAULTS = {"improve": ["none"]}
 
 
 def markdown(report: dict) -> str:
@@ -115,12 +161,14 @@ def markdown(report: dict) -> str:
         variants_by_run.setdefault((entry["machine"], entry["commit"], entry["date"]), []).append(variant)
     for (machine_name, commit, date), names in sorted(variants_by_run.items()):
         lines.append(f"- {', '.join(names)}: {machine_name}; commit {commit}; {date}")
-    lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | feasible |", "|---|---|---|---|---|---|"]
+    lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | of which improvement | feasible |",
+              "|---|---|---|---|---|---|---|"]
     for variant, entry in report["variants"].items():
         for r in entry["rows"]:
             limit = "-" if r["time_limit"] is None else f"{r['time_limit']:g}"
+            improvement = (f"{r['improve_seconds_per_instance']:.3f}" if "improve_seconds_per_instance" in r else "-")
             lines.append(f"| {variant} | {r['method']} | {limit} | {r['gap']:.2f} | {r['seconds_per_instance']:.2f} "
-                         f"| {r['feasible']}/{r['instances']} |")
+                         f"| {improvement} | {r['feasible']}/{r['instances']} |")
     return "\n".join(lines)
 
 
@@ -161,7 +209,8 @@ def resumed_report(output: str, settings: dict) -> dict:
             report = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"--resume: no report to continue at {output} ({e})") from None
-    differ = [f"{k}: report {report.get(k)!r}, now {settings[k]!r}" for k in SETTINGS if report.get(k) != settings[k]]
+    differ = [f"{k}: report {report.get(k, SETTING_DEFAULTS.get(k))!r}, now {settings[k]!r}" for k in SETTINGS
+              if report.get(k, SETTING_DEFAULTS.get(k)) != settings[k]]
     if differ:
         raise SystemExit(f"--resume: {output} was measured with other settings ({'; '.join(differ)})")
     print(f"resuming {output}: {', '.join(report['variants']) or 'no variant'} measured already", flush=True)
@@ -176,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--time_limits", default="0.5,2,8", help="comma list of seconds per instance")
     p.add_argument("--methods", default=",".join(POLICY_METHODS),
                    help="comma list of the policy's searches to run: greedy (x8), sampling, eas")
+    p.add_argument("--improve", default="none", help="comma list: none (the search's routes), ls (then the local "
+                   "search), ortools_ls (then OR-Tools' local search); one row each")
     p.add_argument("--solvers", default="pyvrp,ortools", help="reference solvers to run beside the policy")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="reference-solver processes")
     p.add_argument("--seed", type=int, default=0)
@@ -191,11 +242,15 @@ def main(argv=None) -> int:
     settings = {"checkpoint": args.checkpoint, "num_instances": args.num_instances, "workers": args.workers,
                 "time_limits": [float(t) for t in args.time_limits.split(",") if t],
                 "methods": [m for m in args.methods.split(",") if m],
-                "solvers": [s for s in args.solvers.split(",") if s], "seed": args.seed}
+                "solvers": [s for s in args.solvers.split(",") if s], "seed": args.seed,
+                "improve": [m for m in args.improve.split(",") if m]}
     unknown = sorted(set(settings["methods"]) - set(POLICY_METHODS))
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(unknown)}; the policy's searches are "
                          f"{', '.join(POLICY_METHODS)}")
+    unknown = sorted(set(settings["improve"]) - set(IMPROVEMENTS))
+    if unknown:
+        raise SystemExit(f"--improve: unknown {', '.join(unknown)}; choose from {', '.join(IMPROVEMENTS)}")
     output = args.output or machine.default_output("search_vs_time")
     stem = os.path.splitext(output)[0]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
@@ -212,10 +267,12 @@ def main(argv=None) -> int:
                                         num_instances=args.num_instances)
         reference, _ = io.load_paper_solutions(io.reference_solution_path(args.data_dir, variant, 50),
                                                num_instances=args.num_instances)
-        rows = policy_rows(cfg, params, batch, reference, settings["time_limits"], args.seed, settings["methods"])
+        rows = policy_rows(cfg, params, batch, reference, settings["time_limits"], args.seed, settings["methods"],
+                           settings["improve"])
         rows += baseline_rows(batch, variant, reference, settings["time_limits"], args.workers, settings["solvers"])
         report["variants"][variant] = {"machine": machine.jax_device(), "commit": machine.repository_commit(),
-                                       "date": datetime.date.today().isoformat(), "rows": rows}
+                                       "date": datetime.date.today().isoformat(), "rows": rows,
+                                       "load_average": round(os.getloadavg()[0], 2)}
         with open(output, "w") as f:          # after every variant, so that a partial run keeps what it did
             json.dump(report, f, indent=1)
     report["plot"] = plot(report, stem + ".png")

@@ -451,7 +451,7 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
     svt = _benchmarks_module("search_vs_time")
     measured = []
 
-    def policy_rows(cfg, params, batch, reference, time_limits, seed, methods):
+    def policy_rows(cfg, params, batch, reference, time_limits, seed, methods, improve):
         measured.append(("policy", len(reference), tuple(time_limits), tuple(methods)))
         costs = np.asarray(reference) * 1.1
         return [svt._row("greedy x8", None, costs, reference, 1.0, len(costs))]
@@ -479,7 +479,7 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
     report = json.loads(out.read_text())
     assert list(report["variants"]) == ["CVRP", "VRPBL"] and report["variants"]["CVRP"] == first
     text = (tmp_path / "svt.md").read_text()
-    assert "- CVRP, VRPBL: " in text and "| VRPBL | ortools | 2 | 0.00 | 0.67 | 3/3 |" in text
+    assert "- CVRP, VRPBL: " in text and "| VRPBL | ortools | 2 | 0.00 | 0.67 | - | 3/3 |" in text
     assert (tmp_path / "svt.png").read_bytes()[:4] == b"\x89PNG"
 
     with pytest.raises(SystemExit, match=r"other settings \(num_instances: report 3, now 4\)"):
@@ -490,6 +490,8 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
         svt.main(common[:-1] + [f"--output={tmp_path / 'none.json'}", "--resume"])
     with pytest.raises(SystemExit, match="--methods: unknown beam; the policy's searches are greedy, sampling, eas"):
         svt.main(common + ["--methods=greedy,beam"])
+    with pytest.raises(SystemExit, match="--improve: unknown 2opt; choose from none, ls, ortools_ls"):
+        svt.main(common + ["--improve=ls,2opt"])
 
     # Every variant at one limit, EAS and OR-Tools alone: a grid of panels, one per variant.
     measured.clear()
@@ -499,3 +501,21 @@ def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(t
     assert {m[3] for m in measured if m[0] == "policy"} == {("greedy", "eas")}
     assert len(measured) == 32 and list(json.loads(every.read_text())["variants"]) == list(problems.VARIANT_NAMES)
     assert (tmp_path / "every.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_search_vs_time_improves_routes_by_the_local_search_and_by_ortools():
+    """The rows of --improve: routes improved by our local search and by OR-Tools' from the same start (one route
+    per customer), checked by the environment's checker, never worse than the start."""
+    import jax
+
+    from mvmoe_jax import checker, instances
+
+    svt = _benchmarks_module("search_vs_time")
+    batch = instances.take(instances.generate(jax.random.key(3), 8, 20, "VRPBLTW"), np.arange(2))
+    routes = [[[c] for c in range(1, 21)]] * 2
+    start = np.array([checker.tours_cost(np.asarray(batch.locs[i], np.float64), routes[i], False) for i in range(2)])
+    for improvement in ("ls", "ortools_ls"):
+        costs, seconds, feasible = svt.improved_routes(batch, routes, improvement)
+        assert feasible == 2 and np.all(costs < start) and np.all(seconds > 0), improvement
+    with pytest.raises(ValueError, match="unknown improvement 'x'"):
+        svt.improved_routes(batch, routes, "x")

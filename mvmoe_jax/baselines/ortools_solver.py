@@ -263,3 +263,63 @@ def solve(instances, *, time_limit: float = 20.0, workers: int = 1, progress: bo
     if check:
         common.verify(instances, sols)
     return sols
+
+
+def _vehicle_routes(problem: Problem, info, route) -> list[list[int]]:
+    """A flat route's tours on the model's vehicles: tours holding a linehaul on type A (they leave full), tours of
+    backhauls only on type B (they leave empty)."""
+    from mvmoe_jax.checker import split_subtours
+
+    routes = [[] for _ in range(info["num_a"] + info["num_b"])]
+    next_a, next_b = 0, info["num_a"]
+    for tour in split_subtours(route):
+        if not problem.has_backhaul or any(problem.demand[v] > 0 for v in tour):
+            routes[next_a], next_a = tour, next_a + 1
+        else:
+            routes[next_b], next_b = tour, next_b + 1
+    return routes
+
+
+def improve_problem(problem: Problem, route, time_limit: float = 10.0,
+                    metaheuristic: str = "GREEDY_DESCENT") -> SolveResult:
+    """OR-Tools' local search from a solution (a flat route): ``GREEDY_DESCENT`` stops at the first local optimum of
+    its moves, ``GUIDED_LOCAL_SEARCH`` goes on until ``time_limit``. A start its integer model does not accept (a
+    time window or limit within rounding, ``status`` says so) comes back unchanged."""
+    pywrapcp, enums = _import()
+    with common.Timer() as timer:
+        manager, routing, info = build_model(problem)
+        params = pywrapcp.DefaultRoutingSearchParameters()
+        params.local_search_metaheuristic = getattr(enums.LocalSearchMetaheuristic, metaheuristic)
+        params.time_limit.FromMilliseconds(common.time_limit_ms(time_limit))
+        routing.CloseModelWithParameters(params)
+        initial = routing.ReadAssignmentFromRoutes(_vehicle_routes(problem, info, route), True)
+        found = None if initial is None else routing.SolveFromAssignmentWithParameters(initial, params)
+        if found is None:
+            out, status = [int(v) for v in route], "start not accepted by the model"
+        else:
+            tours = _tours(manager, routing, found, info["num_a"] + info["num_b"])
+            tours.sort(key=lambda vt: vt[0] >= info["num_a"])
+            out, status = common.flatten_tours([t for _, t in tours]), "ok"
+    return SolveResult(index=problem.index, route=out, cost=common.route_cost(problem, out),
+                       solver_objective=float("nan"), seconds=timer.seconds, status=status)
+
+
+def improve(instances, routes, *, time_limit: float = 10.0, metaheuristic: str = "GREEDY_DESCENT",
+            workers: int = 1, progress: bool = False, check: bool = True) -> common.Solutions:
+    """``improve_problem`` on each instance of a batched Instance from its flat route; checked like ``solve``."""
+    _import()
+    problems = common.problems_from_instances(instances)
+    if len(routes) != len(problems):
+        raise common.BaselineError(f"{len(routes)} routes for {len(problems)} instances")
+    results = common.run_parallel(_improve_one, [(p, list(map(int, r))) for p, r in zip(problems, routes)],
+                                  workers=workers, progress=progress, desc="OR-Tools local search",
+                                  time_limit=time_limit, metaheuristic=metaheuristic)
+    sols = common.collect(NAME + "_ls", results)
+    if check:
+        common.verify(instances, sols)
+    return sols
+
+
+def _improve_one(problem_and_route, **kwargs) -> SolveResult:
+    problem, route = problem_and_route
+    return improve_problem(problem, route, **kwargs)

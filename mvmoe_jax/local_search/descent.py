@@ -75,6 +75,8 @@ def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_s
     """One round: the new routes of the moves applied, {row: route}, and the kinds applied; empty when none."""
     found = [mv.GENERATORS[k](layout, rules.arc, max_segment) if k == "relocate" else mv.GENERATORS[k](layout, rules.arc)
              for k in kinds]
+    if not found:
+        return {}, []
     delta = np.concatenate([c.delta for c in found])
     kind_of = np.concatenate([np.full(len(c.delta), n) for n, c in enumerate(found)])
     index = np.concatenate([np.arange(len(c.delta)) for c in found])
@@ -110,7 +112,7 @@ def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_s
 
 
 def improve(rules: RouteRules, routes: Sequence[Sequence[int]], *, kinds: Sequence[str] = mv.KINDS,
-            max_segment: int = 1, time_limit: float | None = None) -> Improvement:
+            max_segment: int = 3, time_limit: float | None = None) -> Improvement:
     """Improve a feasible solution (lists of customers 1..n) by the moves ``kinds`` until a local optimum or
     ``time_limit`` seconds. ``max_segment``: the longest segment ``relocate`` moves. The result is never
     worse than the start, by the checker's cost too: should float32 rounding of the whole solution's sum make
