@@ -161,6 +161,10 @@ def markdown(report: dict) -> str:
         variants_by_run.setdefault((entry["machine"], entry["commit"], entry["date"]), []).append(variant)
     for (machine_name, commit, date), names in sorted(variants_by_run.items()):
         lines.append(f"- {', '.join(names)}: {machine_name}; commit {commit}; {date}")
+    loads = {v: e["load_average"] for v, e in report["variants"].items() if "load_average" in e}
+    if loads:
+        lines.append("- 1-minute load average as each variant ended (a shared machine): "
+                     + ", ".join(f"{v} {x:g}" for v, x in loads.items()))
     lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | of which improvement | feasible |",
               "|---|---|---|---|---|---|---|"]
     for variant, entry in report["variants"].items():
