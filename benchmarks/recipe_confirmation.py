@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.machine import cpu_model, write_report  # noqa: E402
-from benchmarks.recipe_study import _at_seconds, run_points  # noqa: E402
+from benchmarks.recipe_study import _at_seconds, gap_figure, run_points, save_gap_figure  # noqa: E402
 
 
 def parse_runs(specs: list[str]) -> dict[str, str]:
@@ -61,24 +61,11 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = gap_figure()
     for name, pts in report["runs"].items():
         for ax, key in zip(axes, ("trained", "unseen")):
             ax.plot([p["train_seconds"] / 3600 for p in pts], [p[key] for p in pts], marker="o", label=name)
-    for ax, key in zip(axes, ("6 trained variants", "10 unseen variants")):
-        ax.set_xlabel("CPU-hours (one core, compilation included)")
-        ax.set_ylabel("greedy gap % (no augmentation)")
-        ax.set_title(f"n = {report['problem_size']}, continuing the shipped weights: {key}")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_gap_figure(fig, axes, f"n = {report['problem_size']}, continuing the shipped weights", path)
 
 
 def main(argv=None) -> int:

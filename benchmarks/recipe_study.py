@@ -188,13 +188,35 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, path: str) -> None:
+def gap_figure():
+    """A figure of two panels, trained and unseen variants' gap against CPU-hours: (fig, axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    return plt.subplots(1, 2, figsize=(11, 4))
+
+
+def save_gap_figure(fig, axes, title: str, path: str) -> None:
+    """Labels the panels of ``gap_figure`` (title: what precedes each panel's variant group) and saves it."""
+    import matplotlib.pyplot as plt
+
+    for ax, key in zip(axes, ("6 trained variants", "10 unseen variants")):
+        ax.set_xlabel("CPU-hours (one core, compilation included)")
+        ax.set_ylabel("greedy gap % (no augmentation)")
+        ax.set_title(f"{title}: {key}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = gap_figure()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, seeds) in enumerate(sorted(report["runs"].items())):
         for j, pts in enumerate(seeds.values()):
@@ -202,15 +224,7 @@ def plot(report: dict, path: str) -> None:
             for ax, key in zip(axes, ("trained", "unseen")):
                 ax.plot([p["train_seconds"] / 3600 for p in pts], [p[key] for p in pts], color=colours[i % 10],
                         alpha=0.8, label=arm if j == 0 else None)
-    for ax, key in zip(axes, ("6 trained variants", "10 unseen variants")):
-        ax.set_xlabel("CPU-hours (one core, compilation included)")
-        ax.set_ylabel("greedy gap % (no augmentation)")
-        ax.set_title(f"n = {report['problem_size']}: {key}")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_gap_figure(fig, axes, f"n = {report['problem_size']}", path)
 
 
 def main(argv=None) -> int:
