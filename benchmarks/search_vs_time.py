@@ -1,5 +1,5 @@
-"""Quality against time: greedy x8, sampling and EAS under several time limits, beside PyVRP and OR-Tools
-given the same wall time on the same machine, on the first K instances of the paper's n = 50 test sets.
+"""Quality against time: greedy x8, sampling, EAS, SGBS and SGBS + EAS under several time limits, beside PyVRP and
+OR-Tools given the same wall time on the same machine, on the first K instances of the paper's n = 50 test sets.
 
 Every method solves the same K instances of a variant and gets the same wall time for the whole set: the
 policy's searches run batched on all of the machine's cores with ``time_limit`` seconds per instance; the
@@ -11,10 +11,12 @@ per instance as the paper does. Compilation is excluded from the policy's second
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --num_instances=100 --time_limits=0.5,2,8
 
 ``--methods`` picks the policy's searches and ``--solvers`` the reference solvers, so that a run over every variant
-at one limit can compare EAS with OR-Tools alone:
+at one limit can compare EAS with OR-Tools alone, or the searches on a few instances at one limit:
 
     python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=ALL --time_limits=2 \
         --methods=greedy,eas --solvers=ortools --output=all_variants_2s.json
+    python benchmarks/search_vs_time.py --checkpoint=mvmoe_4e_n50 --variants=CVRP,VRPTW --num_instances=20 \
+        --time_limits=2 --methods=greedy,eas,sgbs,sgbs_eas --output=searches_2s.json
 
 ``--improve`` adds, for each of the policy's runs, the same routes improved afterwards: ``ls`` by the local search
 (``mvmoe_jax.local_search``, as ``--improve=ls`` of ``mvmoe_jax.solve``), ``ortools_ls`` by OR-Tools' own local
@@ -62,7 +64,9 @@ def _row(method: str, time_limit: float | None, costs: np.ndarray, reference: np
 
 
 # The policy's searches, in the order they run.
-POLICY_METHODS = ("greedy", "sampling", "eas")
+POLICY_METHODS = ("greedy", "sampling", "eas", "sgbs", "sgbs_eas")
+# Those a run measures unless told: the report's first searches, so that an earlier report resumes as it was made.
+DEFAULT_METHODS = "greedy,sampling,eas"
 # What may improve a search's routes afterwards (``none``: the search's own row).
 IMPROVEMENTS = ("none", "ls", "ortools_ls")
 
@@ -94,13 +98,14 @@ def improved_routes(batch, routes, improvement: str) -> tuple[np.ndarray, np.nda
 
 def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: int,
                 methods=POLICY_METHODS, improve=("none",)) -> list[dict]:
-    """Greedy x8 once, then sampling and EAS at each time limit (seconds per instance), those of them in
-    ``methods``; each followed by the rows of its routes improved by each of ``improve`` but ``none``."""
+    """Greedy x8 once, then sampling, EAS, SGBS and SGBS + EAS at each time limit (seconds per instance), those of
+    them in ``methods``, a search's row with its mean rounds (and SGBS's depths) per instance; each followed by the
+    rows of its routes improved by each of ``improve`` but ``none``."""
     from mvmoe_jax.solve import solve_instances
 
     rows = []
     runs = [("greedy x8", None)] if "greedy" in methods else []
-    runs += [(s, t) for t in time_limits for s in ("sampling", "eas") if s in methods]
+    runs += [(s, t) for t in time_limits for s in POLICY_METHODS[1:] if s in methods]
     for method, limit in runs:
         search = method.split()[0]
         t0 = time.perf_counter()
@@ -111,7 +116,8 @@ def policy_rows(cfg, params, batch, reference: np.ndarray, time_limits, seed: in
         rows.append(_row(method, limit, np.array([s.cost for s in sols]), reference, seconds,
                          sum(s.feasible for s in sols), wall_seconds=wall, compile_seconds=max(wall - seconds, 0.0),
                          rounds=int(np.mean([s.rounds for s in sols])),
-                         **({"samples": sorted({s.samples for s in sols})} if search == "sampling" else {})))
+                         **({"samples": sorted({s.samples for s in sols})} if search == "sampling" else {}),
+                         **({"depths": float(np.mean([s.depths for s in sols]))} if search.startswith("sgbs") else {})))
         print(f"  {method:10s} {limit or '':>5}  gap {rows[-1]['gap']:6.2f}%  {rows[-1]['seconds_per_instance']:.2f} s/inst",
               flush=True)
         for improvement in improve:
@@ -165,14 +171,17 @@ def markdown(report: dict) -> str:
     if loads:
         lines.append("- 1-minute load average as each variant ended (a shared machine): "
                      + ", ".join(f"{v} {x:g}" for v, x in loads.items()))
-    lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | of which improvement | feasible |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| variant | method | time limit (s/inst) | gap % | s/inst | of which improvement | feasible "
+              "| rounds (SGBS: depths) |",
+              "|---|---|---|---|---|---|---|---|"]
     for variant, entry in report["variants"].items():
         for r in entry["rows"]:
             limit = "-" if r["time_limit"] is None else f"{r['time_limit']:g}"
             improvement = (f"{r['improve_seconds_per_instance']:.3f}" if "improve_seconds_per_instance" in r else "-")
+            rounds = "-" if r["time_limit"] is None or "rounds" not in r else str(r["rounds"])
+            rounds += f" ({r['depths']:.0f})" if "depths" in r else ""
             lines.append(f"| {variant} | {r['method']} | {limit} | {r['gap']:.2f} | {r['seconds_per_instance']:.2f} "
-                         f"| {improvement} | {r['feasible']}/{r['instances']} |")
+                         f"| {improvement} | {r['feasible']}/{r['instances']} | {rounds} |")
     return "\n".join(lines)
 
 
@@ -227,8 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--num_instances", type=int, default=100)
     p.add_argument("--time_limits", default="0.5,2,8", help="comma list of seconds per instance")
-    p.add_argument("--methods", default=",".join(POLICY_METHODS),
-                   help="comma list of the policy's searches to run: greedy (x8), sampling, eas")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list of the policy's searches to run: greedy (x8), sampling, eas, sgbs, sgbs_eas")
     p.add_argument("--improve", default="none", help="comma list: none (the search's routes), ls (then the local "
                    "search), ortools_ls (then OR-Tools' local search); one row each")
     p.add_argument("--solvers", default="pyvrp,ortools", help="reference solvers to run beside the policy")

@@ -440,6 +440,38 @@ def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
         large.main([f"--checkpoint={ckpt}", "--sizes=300", f"--output={out}"])
 
 
+def test_search_vs_time_runs_each_search_asked_at_each_limit_and_lists_sgbs_depths(monkeypatch):
+    """benchmarks/search_vs_time.py's policy rows: greedy once, then each search asked (SGBS and SGBS + EAS among
+    them) at each time limit, in the report's order; an SGBS row keeps its mean depths, which the table shows
+    beside the rounds. The searches themselves are replaced by a recorder (they are tested in test_sgbs.py)."""
+    import types
+
+    import mvmoe_jax.solve
+
+    svt = _benchmarks_module("search_vs_time")
+    calls = []
+
+    def solve_instances(cfg, params, batch, *, search, seed, time_limit=None):
+        calls.append((search, time_limit))
+        depths = [40, 45] if search.startswith("sgbs") else [None, None]
+        return [types.SimpleNamespace(cost=c, seconds=0.5, feasible=True, rounds=2, samples=None, depths=d)
+                for c, d in zip((1.1, 2.2), depths)]
+
+    monkeypatch.setattr(mvmoe_jax.solve, "solve_instances", solve_instances, raising=False)
+    reference = np.array([1.0, 2.0])
+    rows = svt.policy_rows(None, params=None, batch=None, reference=reference, time_limits=[0.5, 2.0], seed=0,
+                           methods=["greedy", "sgbs_eas", "eas", "sgbs"])
+    assert calls == [("greedy", None), ("eas", 0.5), ("sgbs", 0.5), ("sgbs_eas", 0.5), ("eas", 2.0), ("sgbs", 2.0),
+                     ("sgbs_eas", 2.0)]
+    assert [r["method"] for r in rows] == ["greedy x8", "eas", "sgbs", "sgbs_eas", "eas", "sgbs", "sgbs_eas"]
+    assert rows[2]["depths"] == 42.5 and "depths" not in rows[1] and rows[2]["gap"] == pytest.approx(10.0)
+    text = svt.markdown({"checkpoint": "m", "num_instances": 2, "workers": 2,
+                         "variants": {"CVRP": {"machine": "cpu", "commit": "abc", "date": "2026-12-07", "rows": rows}}})
+    assert "| CVRP | sgbs | 0.5 | 10.00 | 0.50 | - | 2/2 | 2 (42) |" in text
+    assert "| CVRP | eas | 2 | 10.00 | 0.50 | - | 2/2 | 2 |" in text
+    assert "| CVRP | greedy x8 | - | 10.00 | 0.50 | - | 2/2 | - |" in text
+
+
 def test_search_vs_time_resumes_its_report_measuring_only_the_missing_variants(tmp_path, monkeypatch):
     """benchmarks/search_vs_time.py: every variant's rows saved with the machine that measured them; --resume
     measures only what the report lacks and refuses a report made with other settings. The methods themselves

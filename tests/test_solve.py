@@ -405,7 +405,8 @@ def test_the_search_choices_are_the_implemented_ones(capsys):
     with pytest.raises(SystemExit) as err:
         main(["x.vrp", "--search=beam"])
     assert err.value.code == 2
-    assert "invalid choice: 'beam' (choose from 'greedy', 'sampling', 'eas')" in capsys.readouterr().err.replace('"', "'")
+    assert "invalid choice: 'beam' (choose from 'greedy', 'sampling', 'eas', 'sgbs', 'sgbs_eas')" \
+        in capsys.readouterr().err.replace('"', "'")
 
 
 def test_the_closest_shipped_model_is_chosen(shipped_small):

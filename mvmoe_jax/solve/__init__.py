@@ -1,7 +1,8 @@
 """Solve one's own instances with a trained policy: ``python -m mvmoe_jax.solve`` and its library form.
 
-Modules: ``inputs`` (any input -> problems), ``models`` (which checkpoint), ``search`` (greedy, sampling and
-efficient active search under memory and time limits), ``eas`` (EAS-Emb's per-instance adaptation),
+Modules: ``inputs`` (any input -> problems), ``models`` (which checkpoint), ``search`` (greedy, sampling,
+efficient active search and simulation-guided beam search under memory and time limits), ``eas`` (EAS-Emb's
+per-instance adaptation), ``sgbs`` (the beam search's depth step),
 ``outputs`` (``.sol`` files, the JSON summary, the table, adapted embeddings), ``plot`` (PNGs), ``api``
 (``solve``, ``solve_instances``).
 """

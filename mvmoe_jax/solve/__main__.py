@@ -1,8 +1,8 @@
 """Solve one's own routing instances with a trained policy; write routes, a summary and plots.
 
-    python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas] [--time_limit=S]
-        [--improve=none|ls] [--output=DIR] [--plot] [--problem=VARIANT] [--backhauls=paper|classic|mixed]
-        [--bks=BKS.json] [--save_adapted=FILE.npz]
+    python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas|sgbs|sgbs_eas]
+        [--time_limit=S] [--improve=none|ls] [--output=DIR] [--plot] [--problem=VARIANT]
+        [--backhauls=paper|classic|mixed] [--bks=BKS.json] [--save_adapted=FILE.npz]
 
 INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
 and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
@@ -20,7 +20,7 @@ import sys
 
 
 def _parser(searches) -> argparse.ArgumentParser:
-    from mvmoe_jax.solve import eas
+    from mvmoe_jax.solve import eas, sgbs
 
     p = argparse.ArgumentParser(prog="python -m mvmoe_jax.solve", description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="instance files or folders of them")
@@ -29,7 +29,9 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--search", default="greedy", choices=list(searches),
                    help="greedy: greedy x8 from every POMO start (default); sampling: then sampled rollouts per "
                         "start and augmentation, keeping the best; eas: then efficient active search (EAS-Emb: each "
-                        "instance's node embeddings adapted by gradient steps), keeping the best")
+                        "instance's node embeddings adapted by gradient steps), keeping the best; sgbs: then "
+                        "simulation-guided beam search (each beam node's children valued by a greedy rollout); "
+                        "sgbs_eas: then rounds of an EAS iteration and an SGBS pass on the adapted embeddings")
     p.add_argument("--improve", default="none", choices=("none", "ls"),
                    help="ls: then a local search on each solution (2-opt, or-opt, relocate, exchange, 2-opt* under "
                         "the instance's rules, to a local optimum; its time is reported apart and not part of "
@@ -37,14 +39,19 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds per instance for the search, greedy included (compilation not)")
     p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
-                   "--time_limit); eas: iterations (default 50 without --time_limit); a run is repeated exactly by "
-                   "the same seed and its reported rounds (and samples)")
+                   "--time_limit); eas: iterations (default 50 without --time_limit); sgbs: passes, each from the "
+                   "next-ranked starts (default 1 without --time_limit); sgbs_eas: rounds (default 5 without "
+                   "--time_limit); a run is repeated exactly by the same seed and its reported rounds (and samples)")
     p.add_argument("--samples", type=int, default=8, help="sampling: rollouts per POMO start and augmentation a "
                    "round (fewer where a round of that many would not fit --time_limit)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     p.add_argument("--eas_learning_rate", type=float, default=eas.LEARNING_RATE, help="eas: Adam's step size")
     p.add_argument("--eas_imitation_weight", type=float, default=eas.IMITATION_WEIGHT,
                    help="eas: weight of the imitation loss (the best solution's negative log-likelihood)")
+    p.add_argument("--beam_width", type=int, default=sgbs.BEAM_WIDTH,
+                   help="sgbs, sgbs_eas: beam nodes per symmetric copy of an instance")
+    p.add_argument("--expansion", type=int, default=sgbs.EXPANSION,
+                   help="sgbs, sgbs_eas: children of a beam node: its greedy move and the policy's next best moves")
     p.add_argument("--save_adapted", default=None, metavar="FILE",
                    help="eas: write each instance's adapted embeddings to this .npz file (format: "
                         "mvmoe_jax/solve/outputs.py)")
@@ -100,7 +107,7 @@ def main(argv=None, *, setup_process: bool = False) -> int:
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
                            progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
                            eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted,
-                           improve=args.improve)
+                           improve=args.improve, beam_width=args.beam_width, expansion=args.expansion)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)

@@ -27,7 +27,7 @@ from mvmoe_jax import checker, precision
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
-from mvmoe_jax.solve import eas, outputs
+from mvmoe_jax.solve import eas, outputs, sgbs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
 from mvmoe_jax.solve.models import Models
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
@@ -63,10 +63,13 @@ class Solution:
       feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
       violation:    the checker's finding when not feasible, else None.
       seconds:      the instance's share of its batch's search time (compilation excluded).
-      starts:       POMO starts decoded; search, rounds (sampling rounds or EAS iterations run), model (the
-                    checkpoint).
+      starts:       POMO starts decoded; search, rounds (sampling rounds, EAS iterations, SGBS passes or
+                    SGBS + EAS rounds run), model (the checkpoint).
       samples:      sampling: rollouts per start and copy in each round (fewer than asked where a round of
                     that many would not fit the time limit); the same seed, rounds and samples repeat the run.
+                    Else None.
+      depths:       SGBS and SGBS + EAS: the instance's beam-search depths over all passes (a pass runs until its
+                    beam has finished, at most twice the customers; the time limit may stop the last part-way).
                     Else None.
       files:        what was written for it ({"sol": path, "plot": path}).
       improve:      the improvement run after the search (``IMPROVERS``: ``none`` or ``ls``, the local search);
@@ -93,6 +96,7 @@ class Solution:
     rounds: int
     model: str
     samples: int | None = None
+    depths: int | None = None
     backhaul_rule: str = "paper"
     improve: str = "none"
     improve_seconds: float = 0.0
@@ -222,6 +226,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                                improve=improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
                                seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search,
                                rounds=res.rounds, model=name, samples=res.samples,
+                               depths=None if res.depths is None else int(res.depths[j]),
                                adapted=res.adapted[j] if keep_adapted else None)
             if on_solution is not None:
                 on_solution(p, out[i])
@@ -275,12 +280,13 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
           memory_budget: int | None = None, execution: ExecutionPlan | None = None,
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
-          save_adapted: str | None = None, improve: str = "none") -> SolveReport:
+          save_adapted: str | None = None, improve: str = "none", beam_width: int = sgbs.BEAM_WIDTH,
+          expansion: int = sgbs.EXPANSION) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
     shipped model trained closest to it. search: a name in ``search.SEARCHES``; time_limit, rounds, samples,
-    max_starts, memory_budget, eas_learning_rate, eas_imitation_weight: ``search.Settings``. save_adapted: with
+    max_starts, memory_budget, eas_learning_rate, eas_imitation_weight, beam_width, expansion: ``search.Settings``. save_adapted: with
     ``search="eas"``, a file for the adapted embeddings of every instance (``outputs.write_adapted``). problem: the
     variant, when the data does not say it all (``inputs.state_variant``). num_instances: at most this many from
     each file of several. bks: a table of best-known values (BKS.json style). backhauls: the backhaul rule
@@ -304,7 +310,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     _check_improve(improve)
     settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
                         memory_budget=memory_budget, eas_learning_rate=eas_learning_rate,
-                        eas_imitation_weight=eas_imitation_weight)
+                        eas_imitation_weight=eas_imitation_weight, beam_width=beam_width, expansion=expansion)
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not paths:
         raise ValueError("no input given: name files or folders of instances")

@@ -71,16 +71,24 @@ def optimizer(learning_rate: float) -> optax.GradientTransformation:
     return optax.adam(learning_rate)
 
 
+@partial(jax.jit, static_argnames=("cfg", "plan"))
+def encoded_copies(cfg: PolicyConfig, plan: ExecutionPlan, params, inst: Instance, key: jax.Array
+                   ) -> tuple[Instance, jax.Array]:
+    """The 8 copies of each instance of the batch (B, 8, ...) and the encoder's node embeddings of every copy
+    (B, 8, N, D), from ``key``'s encoder key, as the greedy rollout ``key`` drives."""
+    b = inst.locs.shape[0]
+    emb, _ = rollout.encode_nodes(Policy(cfg, plan), params, rollout.augmented_batch(inst), key)   # (8B, N, D)
+    emb = jnp.swapaxes(emb.reshape((NUM_COPIES, b) + emb.shape[1:]), 0, 1)                           # (B, 8, N, D)
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), augment_8(inst)), emb
+
+
 @partial(jax.jit, static_argnames=("cfg", "plan", "learning_rate"))
 def start(cfg: PolicyConfig, plan: ExecutionPlan, params, inst: Instance, key: jax.Array, best_cost: jax.Array,
           best_actions: jax.Array, *, learning_rate: float) -> tuple[Instance, AdaptState]:
     """The 8 copies of each instance of the batch (B, 8, ...) and the initial state: the encoder's embeddings of
     every copy (from ``key``'s encoder key, as the greedy rollout ``key`` drives), fresh Adam state, and the
     incumbent given (greedy x8's cost (B,) and actions (B, T + 1))."""
-    b = inst.locs.shape[0]
-    emb, _ = rollout.encode_nodes(Policy(cfg, plan), params, rollout.augmented_batch(inst), key)   # (8B, N, D)
-    emb = jnp.swapaxes(emb.reshape((NUM_COPIES, b) + emb.shape[1:]), 0, 1)                           # (B, 8, N, D)
-    copies = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), augment_8(inst))
+    copies, emb = encoded_copies(cfg, plan, params, inst, key)
     opt_state = jax.vmap(optimizer(learning_rate).init)(emb)
     return copies, AdaptState(emb, opt_state, best_cost.astype(jnp.float32), best_actions.astype(jnp.int32))
 

@@ -17,6 +17,13 @@ finds, so none returns a route worse than greedy's.
   REINFORCE over one sampled rollout per start and copy plus imitation of the incumbent), iterations under the
   same time limit and round count (iteration r draws from ``fold_in(key, r)``, likewise repeatable), keeping
   the best solution found; ``BatchResult.adapted`` holds the adapted embeddings.
+- ``sgbs``: simulation-guided beam search (``sgbs``: beam width ``beam_width`` and expansion factor ``expansion``
+  per symmetric copy, each child valued by a greedy rollout), one pass from the best-ranked starts, then under a
+  time limit further passes from the next-ranked starts while time and starts remain (or ``rounds`` passes);
+  the time limit is checked before every depth, so the last pass may stop part-way (``depths`` counts them).
+  It draws nothing: the seed changes nothing but MVMoE-L's dense-or-MoE draws.
+- ``sgbs_eas``: rounds of one EAS iteration then one SGBS pass on the adapted embeddings, sharing the incumbent
+  (the authors' SGBS + EAS), under the same time limit and round count.
 
 Memory: a decoding program is compiled for the batch and its size checked against ``Settings.memory_budget``
 (default: what the device has free; on a CPU half the free memory, shared by its devices). When it does not
@@ -37,17 +44,19 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mvmoe_jax import rollout
 from mvmoe_jax.devices import DATA_AXIS, local_mesh, program_memory_bytes
 from mvmoe_jax.execution import ExecutionPlan, default_plan
 from mvmoe_jax.instances import Instance
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
-from mvmoe_jax.solve import eas
+from mvmoe_jax.solve import eas, sgbs
 
 DEFAULT_ROUNDS = 10          # sampling rounds when neither a time limit nor a number of rounds is given
 DEFAULT_EAS_ROUNDS = 50      # EAS iterations when neither a time limit nor a number of rounds is given
+DEFAULT_SGBS_ROUNDS = 1      # SGBS passes when neither a time limit nor a number of rounds is given
+DEFAULT_SGBS_EAS_ROUNDS = 5  # SGBS + EAS rounds likewise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +66,8 @@ class Settings:
     when there is no time limit); samples: sampled rollouts per POMO start and augmentation in a sampling
     round; max_starts: at most this many POMO starts (default all n); memory_budget: bytes a decoding program
     may use on each device (default: see the module docstring); eas_learning_rate and eas_imitation_weight:
-    EAS's Adam step size and weight of the imitation loss (``eas``)."""
+    EAS's Adam step size and weight of the imitation loss (``eas``); beam_width and expansion: SGBS's beam nodes
+    per symmetric copy and children per node (``sgbs``)."""
 
     time_limit: float | None = None
     rounds: int | None = None
@@ -66,6 +76,8 @@ class Settings:
     memory_budget: int | None = None
     eas_learning_rate: float = eas.LEARNING_RATE
     eas_imitation_weight: float = eas.IMITATION_WEIGHT
+    beam_width: int = sgbs.BEAM_WIDTH
+    expansion: int = sgbs.EXPANSION
 
     def __post_init__(self):
         if self.time_limit is not None and not self.time_limit > 0:
@@ -74,10 +86,13 @@ class Settings:
             raise ValueError(f"--eas_learning_rate must be a positive number, got {self.eas_learning_rate!r}")
         if not (isinstance(self.eas_imitation_weight, numbers.Real) and 0 <= self.eas_imitation_weight < float("inf")):
             raise ValueError(f"--eas_imitation_weight must be a number >= 0, got {self.eas_imitation_weight!r}")
-        for name in ("rounds", "samples", "max_starts", "memory_budget"):
+        for name in ("rounds", "samples", "max_starts", "memory_budget", "beam_width"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"--{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.expansion, (int, np.integer)) or self.expansion < 2:
+            raise ValueError(f"--expansion must be an integer >= 2 (the greedy child and at least one other), "
+                             f"got {self.expansion!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +122,13 @@ class DecodePlan:
 @dataclasses.dataclass
 class BatchResult:
     """Per instance of the batch (B): cost float32 (B,) of the best route found (unit square), actions int32
-    (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds
-    or EAS iterations run; samples: sampled rollouts per start and copy in each sampling round (sampling only);
+    (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds,
+    EAS iterations, SGBS passes or SGBS + EAS rounds run; samples: sampled rollouts per start and copy in each
+    sampling round (sampling only); depths: int (B,) each instance's beam-search depths over all passes, those
+    until its beam had finished (SGBS searches only);
     seconds: the batch's wall time without compilation; compile_seconds; plans: the
     DecodePlan of each program used; adapted: EAS's adapted node embeddings of the first ``real`` instances,
-    float32 (real, 8, N, D) (``eas``), else None."""
+    float32 (real, 8, N, D) (``eas``, ``sgbs_eas``), else None."""
 
     cost: np.ndarray
     actions: np.ndarray
@@ -122,6 +139,7 @@ class BatchResult:
     compile_seconds: float
     plans: dict[str, DecodePlan]
     samples: int | None = None
+    depths: np.ndarray | None = None
     adapted: np.ndarray | None = None
 
 
@@ -316,6 +334,56 @@ class Decoder:
             return (start, compiled), decode_plan
         return self._cached(("eas", b, n, starts, lr, weight), build)
 
+    def sgbs_program(self, batch: Instance, starts: int):
+        """(``SgbsPrograms``, DecodePlan, seconds spent compiling now) for ``starts`` POMO starts and the settings'
+        beam, sized to the memory budget in instances searched at once."""
+        b, n = batch.locs.shape[0], batch.locs.shape[1] - 1
+        width, expansion, devices = self.settings.beam_width, self.settings.expansion, self.num_devices
+        replicated = NamedSharding(local_mesh(devices), P()) if devices > 1 else None
+        args = rollout.replicated((self.params, batch, jax.random.key(0)), devices)
+
+        def spec(tree):
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree)
+
+        def build():
+            encode = eas.encoded_copies.lower(self.cfg, self.execution, *args).compile()
+            copies, emb = spec(jax.eval_shape(partial(eas.encoded_copies, self.cfg, self.execution), *args))
+            key, depth = spec((jax.eval_shape(lambda: jax.random.key(0)), jax.ShapeDtypeStruct((), jnp.int32)))
+            incumbent = spec((jax.ShapeDtypeStruct((b,), jnp.float32), jax.ShapeDtypeStruct((b, 2 * n + 1), jnp.int32)))
+
+            def compile_at(chunk, p):
+                options = dict(chunk=chunk, num_devices=devices)
+                first = sgbs.first_rollouts.lower(self.cfg, self.execution, self.params, copies, emb, key, starts=p,
+                                                  **options)
+                first_spec = spec(jax.eval_shape(partial(sgbs.first_rollouts, self.cfg, self.execution, starts=p,
+                                                         **options), self.params, copies, emb, key))
+                initial = sgbs.initial_beam.lower(copies, first_spec, depth, *incumbent, width=width)
+                beam = spec(jax.eval_shape(partial(sgbs.initial_beam, width=width), copies, first_spec, depth,
+                                           *incumbent)[0])
+                step = sgbs.depth_step.lower(self.cfg, self.execution, self.params, copies, emb, beam, *incumbent,
+                                             depth, key, expansion=expansion, **options)
+                return SgbsPrograms(encode, first.compile(), initial.compile(), step.compile())
+
+            return fit_to_memory(compile_at, rows=b, starts=starts, budget=self.budget, num_customers=n,
+                                 chunk=sgbs.default_chunk(b, devices, self.execution, width, expansion),
+                                 unit="instances (8 copies each)")
+        return self._cached(("sgbs", b, n, starts, width, expansion), build)
+
+
+@dataclasses.dataclass(frozen=True)
+class SgbsPrograms:
+    """SGBS's compiled programs for one batch shape: ``eas.encoded_copies``, ``sgbs.first_rollouts``,
+    ``sgbs.initial_beam`` and ``sgbs.depth_step``, called with their array arguments replicated over the devices
+    (``rollout.replicated``); ``memory_bytes`` is what the larger of the two searching programs needs per device."""
+
+    encode: object
+    first: object
+    initial: object
+    depth: object
+
+    def memory_bytes(self) -> int:
+        return max(program_memory_bytes(self.first), program_memory_bytes(self.depth))
+
 
 def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 from every start (within the memory plan)."""
@@ -424,8 +492,140 @@ def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> 
     return result
 
 
+# A beam-search depth's time relative to the greedy rollouts from every start of every copy that begin a pass: it
+# simulates W (G - 1) rollouts per copy where those run P, none longer, in smaller programs; for predicting whether
+# a pass's first depth fits the time limit before one has been timed.
+SGBS_DEPTH_PER_ROLLOUTS = 2.0
+
+
+def _sgbs_depth_estimate(settings: Settings, rollouts_seconds: float, starts: int) -> float:
+    """Predicted seconds of a pass's first depth from those of the greedy rollouts from ``starts`` starts."""
+    return SGBS_DEPTH_PER_ROLLOUTS * rollouts_seconds * settings.beam_width * (settings.expansion - 1) / starts
+
+
+def _sgbs_pass(decoder: Decoder, programs: "SgbsPrograms", copies: Instance, emb: jax.Array,
+               first: sgbs.FirstRollouts, incumbent: tuple[jax.Array, jax.Array], offset: int, key: jax.Array,
+               result: BatchResult, real: int, estimate: float) -> tuple[tuple[jax.Array, jax.Array], float | None]:
+    """One SGBS pass from the starts ranked ``offset`` and on (``sgbs.initial_beam``), depth after depth while the
+    time limit allows (a depth starts only when it should end within the budget: predicted by the pass's last
+    depth, or for the first by ``estimate`` seconds), adding its seconds to ``result`` and to each instance's
+    depths those it ran before its beam had finished. Returns the
+    incumbent (best_cost (B,), best_actions (B, T + 1)) and the first depth's seconds (None when none ran)."""
+    put = partial(rollout.replicated, num_devices=decoder.num_devices)
+    budget = None if decoder.settings.time_limit is None else decoder.settings.time_limit * real
+    t0 = time.perf_counter()
+    beam, cost, actions = jax.block_until_ready(programs.initial(*put((copies, first, jnp.int32(offset)) + incumbent)))
+    result.seconds += time.perf_counter() - t0
+    first_depth, searching = None, np.ones(result.depths.shape, bool)
+    for depth in range(incumbent[1].shape[-1] - 1):
+        predicted = estimate if first_depth is None else last
+        if budget is not None and result.seconds + predicted > budget:
+            break
+        t0 = time.perf_counter()
+        beam, cost, actions, done = programs.depth(decoder.params, *put((copies, emb, beam, cost, actions,
+                                                                         jnp.int32(depth), key)))
+        done = np.asarray(jax.device_get(done))
+        last = time.perf_counter() - t0
+        result.seconds += last
+        result.depths += searching
+        searching &= ~done
+        first_depth = last if first_depth is None else first_depth
+        if not searching[:real].any():
+            break
+    return (cost, actions), first_depth
+
+
+def _timed(result: BatchResult, run: Callable[[], object]):
+    """``run()``'s value once computed, its seconds added to ``result``."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run())
+    result.seconds += time.perf_counter() - t0
+    return out
+
+
+def _max_rounds(settings: Settings, default: int) -> int | None:
+    """Rounds to run at most: the settings', else ``default`` without a time limit, else no limit."""
+    if settings.rounds is None and settings.time_limit is None:
+        return default
+    return settings.rounds
+
+
+def sgbs_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
+    """Greedy x8 as the incumbent, then SGBS passes (``sgbs``) while the time limit, round count and the ranked
+    starts allow."""
+    result = greedy_search(decoder, batch, key, real)
+    settings, put = decoder.settings, partial(rollout.replicated, num_devices=decoder.num_devices)
+    starts = result.plans["greedy"].starts
+    programs, decode_plan, compile_s = decoder.sgbs_program(batch, starts)
+    result.compile_seconds += compile_s
+    result.plans["sgbs"] = decode_plan
+    result.depths = np.zeros(batch.locs.shape[0], np.int64)
+    t0 = result.seconds
+    copies, emb = _timed(result, lambda: programs.encode(*put((decoder.params, batch, key))))
+    first = _timed(result, lambda: programs.first(decoder.params, copies, emb, put(jax.random.fold_in(key, 1))))
+    estimate = _sgbs_depth_estimate(settings, result.seconds - t0, decode_plan.starts)
+    incumbent = put((jnp.asarray(result.cost), jnp.asarray(result.actions)))
+    budget = None if settings.time_limit is None else settings.time_limit * real
+    max_rounds = _max_rounds(settings, DEFAULT_SGBS_ROUNDS)
+    for offset in range(0, decode_plan.starts, settings.beam_width):
+        if max_rounds is not None and result.rounds >= max_rounds:
+            break
+        if budget is not None and result.seconds + estimate > budget:
+            break
+        pass_key = put(jax.random.fold_in(jax.random.fold_in(key, 2), result.rounds))
+        result.rounds += 1
+        incumbent, first_depth = _sgbs_pass(decoder, programs, copies, emb, first, incumbent, offset, pass_key,
+                                            result, real, estimate)
+        estimate = first_depth or estimate
+    cost, actions = jax.device_get(incumbent)
+    result.cost, result.actions = np.asarray(cost), np.asarray(actions)
+    return result
+
+
+def sgbs_eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
+    """Greedy x8 as the incumbent, then rounds of one EAS iteration (``eas``) and one SGBS pass (``sgbs``) on the
+    adapted embeddings, sharing the incumbent, while the time limit and round count allow; a round starts only when
+    its iteration, rollouts and first depth should fit, and its pass stops at the depth the budget allows."""
+    result = greedy_search(decoder, batch, key, real)
+    settings, put = decoder.settings, partial(rollout.replicated, num_devices=decoder.num_devices)
+    starts = result.plans["greedy"].starts
+    (start, iteration), eas_plan, eas_compile_s = decoder.eas_program(batch, starts)
+    programs, sgbs_plan, sgbs_compile_s = decoder.sgbs_program(batch, starts)
+    result.compile_seconds += eas_compile_s + sgbs_compile_s
+    result.plans.update(eas=eas_plan, sgbs=sgbs_plan)
+    result.depths = np.zeros(batch.locs.shape[0], np.int64)
+    greedy_seconds = result.seconds
+    copies, state = _timed(result, lambda: start(*put((decoder.params, batch, key, result.cost, result.actions))))
+    budget = None if settings.time_limit is None else settings.time_limit * real
+    max_rounds = _max_rounds(settings, DEFAULT_SGBS_EAS_ROUNDS)
+    iteration_s, rollouts_s = EAS_ITERATION_PER_GREEDY * greedy_seconds, greedy_seconds
+    estimate = _sgbs_depth_estimate(settings, rollouts_s, sgbs_plan.starts)
+    while max_rounds is None or result.rounds < max_rounds:
+        if budget is not None and result.seconds + iteration_s + rollouts_s + estimate > budget:
+            break
+        r, t0 = result.rounds, result.seconds
+        state = _timed(result, lambda: iteration(decoder.params, copies, state,
+                                                 put(jax.random.fold_in(jax.random.fold_in(key, 1), r))))
+        iteration_s, t0 = result.seconds - t0, result.seconds
+        result.rounds += 1
+        first = _timed(result, lambda: programs.first(decoder.params, copies, state.embeddings,
+                                                      put(jax.random.fold_in(jax.random.fold_in(key, 2), r))))
+        rollouts_s = result.seconds - t0
+        (cost, actions), first_depth = _sgbs_pass(
+            decoder, programs, copies, state.embeddings, first, (state.best_cost, state.best_actions), 0,
+            put(jax.random.fold_in(jax.random.fold_in(key, 3), r)), result, real, estimate)
+        state = state.replace(best_cost=cost, best_actions=actions)
+        estimate = first_depth or estimate
+    cost, actions = jax.device_get((state.best_cost, state.best_actions))
+    result.cost, result.actions = np.asarray(cost), np.asarray(actions)
+    result.adapted = eas.adapted_arrays(state, real)
+    return result
+
+
 SEARCHES: dict[str, Callable[[Decoder, Instance, jax.Array, int], BatchResult]] = {
     "greedy": greedy_search,
     "sampling": sampling_search,
     "eas": eas_search,
+    "sgbs": sgbs_search,
+    "sgbs_eas": sgbs_eas_search,
 }
