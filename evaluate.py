@@ -7,7 +7,7 @@ on the paper's test sets or on CVRPLIB / Solomon files.
 ``--config`` may be left out: the model configuration is then the one stored with the checkpoint (or read
 off the .pt file). Prints a table (variant, objective, gap, time) and writes JSON
 ``{variant: {"obj": [...], "obj_no_aug": [...], "mean": float, "gap": float | null, "seconds": float,
-"compile_seconds": float}}``. ``seconds`` excludes compilation.
+"compile_seconds": float, "distance_bias": float, "candidates": int}}``. ``seconds`` excludes compilation.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ flags.DEFINE_string("vrplib_dir", None, "Folder of CVRPLIB .vrp and/or Solomon .
 flags.DEFINE_string("bks", None, "JSON of best-known values (BKS.json style) for --vrplib_dir gaps.")
 flags.DEFINE_string("reference", None, "Solution file (paper format) to compute gaps against; only with a "
                     "single problem. Default: the paper's reference solver file beside the dataset.")
+flags.DEFINE_float("distance_bias", None, "alpha >= 0: -alpha * log2(n) * d(current, j) added to the decoder's "
+                   "logits, favouring near nodes on instances larger than the training ones (0: off; default: the "
+                   "model's, off for every shipped one; mvmoe_jax/nn/locality.py).")
+flags.DEFINE_integer("candidates", None, "k: each step chooses among the k feasible customers nearest the current "
+                     "node (and the depot) (0: all; default: the model's, all for every shipped one).")
 flags.DEFINE_string("output", None, "Write results as JSON here.")
 flags.DEFINE_integer("seed", 0, "Seed (MVMoE-L samples its dense-or-sparse gate in evaluation).")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")

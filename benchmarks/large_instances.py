@@ -8,6 +8,15 @@ core with that many seconds each, and the gap to it is reported.
 
     python benchmarks/large_instances.py --checkpoint=mvmoe_4e_n50 --sizes=200,500,1000 --num_instances=4
 
+Distance-aware decoding (``mvmoe_jax/nn/locality.py``): ``--decodings=ALPHA:K,...`` solves every size and
+variant under each (distance bias alpha, k candidates; ``0:0`` the plain decoder). With ``--choose_on=SIZE``
+the options are first chosen per variant on validation instances of that size (other seeds than the reported
+ones): the alpha of ``--alphas`` and the k of ``--ks`` with the lowest mean cost, each alone; the reported rows
+are then the plain decoder, the chosen alpha, every k, and the chosen alpha with the chosen k.
+
+    python benchmarks/large_instances.py --checkpoint=mvmoe_4e_n50 --sizes=200,500 --choose_on=200 \
+        --alphas=0.5,1,2,4 --ks=10,20,50 --reference_seconds=60
+
 Memory is the decoding program's own size as XLA compiled it (``plan bytes``) and the process's peak resident
 memory after the size (sizes run in increasing order, so each peak covers its size). JSON and markdown go to
 ``--output``. CVRPLIB Set-X by size group is in ``benchmarks/paper_tables.py --sections=setx``.
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import resource
 import sys
@@ -34,6 +44,64 @@ def peak_rss_bytes() -> int:
     """The process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def parse_decodings(text: str) -> list[tuple[float, int]]:
+    """``"ALPHA:K,ALPHA:K"`` -> [(alpha, k), ...] (``0:0``: the plain decoder)."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        alpha, sep, k = item.partition(":")
+        try:
+            out.append((float(alpha), int(k)))
+        except ValueError:
+            raise SystemExit(f"--decodings item {item!r}: expected ALPHA:K, e.g. 1.5:20") from None
+        if not sep:
+            raise SystemExit(f"--decodings item {item!r}: expected ALPHA:K, e.g. 1.5:20")
+    return out
+
+
+def decoding_name(alpha: float, k: int) -> str:
+    parts = ([f"bias {alpha:g}"] if alpha else []) + ([f"{k} candidates"] if k else [])
+    return ", ".join(parts) or "plain"
+
+
+def with_decoding(cfg, alpha: float, k: int):
+    import dataclasses
+
+    return dataclasses.replace(cfg, distance_bias=alpha, candidates=k)
+
+
+def validation_batch(n: int, variant_index: int, variant: str, count: int):
+    """Validation instances of size n: seeds apart from the reported batches' (``1000 n + i``)."""
+    import jax
+
+    from mvmoe_jax import instances
+
+    return instances.generate(jax.random.key(7_000_000 + 1000 * n + variant_index), count, n, variant)
+
+
+def choose_options(cfg, params, n: int, variants: list[str], alphas: list[float], ks: list[int], count: int, *,
+                   max_starts, memory_budget, seed: int) -> dict:
+    """Per variant, greedy x8 on ``count`` validation instances of size n under the plain decoder, each alpha
+    alone and each k alone: {variant: {"rows": [...], "alpha": best alpha, "k": best k}} (lowest mean cost; an
+    option that never beats the plain decoder is still chosen, and its rows show by how much it lost)."""
+    chosen = {}
+    for i, variant in enumerate(variants):
+        batch = validation_batch(n, i, variant, count)
+        rows = []
+        for alpha, k in [(0.0, 0)] + [(a, 0) for a in alphas] + [(0.0, k) for k in ks]:
+            row, _ = policy_row(with_decoding(cfg, alpha, k), params, batch, max_starts=max_starts,
+                                memory_budget=memory_budget, seed=seed)
+            row.update(distance_bias=alpha, candidates=k)
+            rows.append(row)
+            print(f"validation n={n} {variant} {decoding_name(alpha, k)}: mean {row['mean_cost']:.4f}, "
+                  f"{row['seconds_per_instance']:.1f} s/inst", flush=True)
+        best = lambda key: min((r for r in rows if r[key] and not r["distance_bias" if key == "candidates"
+                                                                     else "candidates"]),
+                               key=lambda r: r["mean_cost"])[key]
+        chosen[variant] = {"rows": rows, "alpha": best("distance_bias") if alphas else 0.0,
+                           "k": best("candidates") if ks else 0}
+    return chosen
 
 
 def policy_row(cfg, params, batch, *, max_starts: int | None, memory_budget: int | None, seed: int) -> tuple[dict, np.ndarray]:
@@ -56,7 +124,7 @@ def policy_row(cfg, params, batch, *, max_starts: int | None, memory_budget: int
              "cost_agrees": bool(np.allclose(costs, recomputed, rtol=1e-4)),
              "seconds_per_instance": res.seconds / k, "compile_seconds": res.compile_seconds,
              "plan": plan.describe(), "starts": plan.starts, "chunk": plan.chunk, "rows": plan.rows,
-             "plan_bytes": plan.memory_bytes, "budget_bytes": plan.budget}, costs)
+             "plan_bytes": plan.memory_bytes, "budget_bytes": plan.budget, "costs": costs.tolist()}, costs)
 
 
 def reference_row(batch, seconds: float, workers: int) -> tuple[dict, np.ndarray]:
@@ -72,13 +140,23 @@ def markdown(report: dict) -> str:
     lines = [f"Machine: {report['machine']}; commit {report['commit']}; {report['date']}; model "
              f"{report['checkpoint']}; {report['num_instances']} generated instances per size and variant; greedy "
              f"x8.", "",
-             "| n | variant | decoding plan | s/inst | compile s | plan MiB | peak RSS MiB | mean cost | gap % to PyVRP "
-             "| feasible |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| n | variant | decoding plan | options | s/inst | compile s | plan MiB | peak RSS MiB | mean cost "
+             "| gap % to PyVRP | feasible |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         gap = "-" if r.get("gap") is None else f"{r['gap']:.2f} ({r['reference']['seconds_per_instance']:g} s)"
-        lines.append(f"| {r['n']} | {r['variant']} | {r['plan']} | {r['seconds_per_instance']:.1f} | "
+        options = decoding_name(r.get("distance_bias", 0.0), r.get("candidates", 0))
+        lines.append(f"| {r['n']} | {r['variant']} | {r['plan']} | {options} | {r['seconds_per_instance']:.1f} | "
                      f"{r['compile_seconds']:.1f} | {r['plan_bytes'] / 2**20:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{r['mean_cost']:.3f} | {gap} | {r['feasible']}/{r['instances']} |")
+    for n, by_variant in report.get("validation", {}).items():
+        lines += ["", f"Options chosen on {report['validation_instances']} validation instances of n = {n} per "
+                      "variant (mean cost, greedy x8):", "",
+                  "| variant | options | mean cost | s/inst |", "|---|---|---|---|"]
+        for variant, v in by_variant.items():
+            for r in v["rows"]:
+                lines.append(f"| {variant} | {decoding_name(r['distance_bias'], r['candidates'])} | "
+                             f"{r['mean_cost']:.4f} | {r['seconds_per_instance']:.1f} |")
+            lines.append(f"| {variant} | **chosen: alpha {v['alpha']:g}, k {v['k']}** | | |")
     return "\n".join(lines)
 
 
@@ -95,6 +173,15 @@ def main(argv=None) -> int:
     p.add_argument("--reference_seconds", type=float, default=0.0, help="PyVRP seconds per instance for the gap "
                    "(0: no reference)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="PyVRP processes")
+    p.add_argument("--decodings", default="0:0", help="ALPHA:K,... distance bias and candidates to solve with "
+                   "(0:0: the plain decoder)")
+    p.add_argument("--choose_on", type=int, default=None, help="choose alpha and k per variant on validation "
+                   "instances of this size (then --decodings is ignored)")
+    p.add_argument("--alphas", default="0.5,1,2,4", help="with --choose_on: the distance biases tried")
+    p.add_argument("--ks", default="10,20,50", help="with --choose_on: the candidate counts tried")
+    p.add_argument("--validation_instances", type=int, default=8)
+    p.add_argument("--references_from", default=None, help="a report of this script whose PyVRP costs to reuse "
+                   "for the same sizes, variants, instance counts and seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON path (markdown beside it); default "
                    "benchmarks/results/large_instances_<date>.json")
@@ -114,24 +201,51 @@ def main(argv=None) -> int:
     cfg, params = checkpoints.load_policy(args.checkpoint)
     report = {"machine": machine.jax_device(), "commit": machine.repository_commit(),
               "date": datetime.date.today().isoformat(), "checkpoint": args.checkpoint,
-              "num_instances": args.num_instances, "rows": []}
+              "num_instances": args.num_instances, "rows": [], "references": {}}
     output = args.output or machine.default_output("large_instances")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    known = {}
+    if args.references_from:
+        with open(args.references_from) as f:
+            known = json.load(f).get("references", {})
+    decodings = {variant: parse_decodings(args.decodings) for variant in variants}
+    if args.choose_on is not None:
+        alphas = [float(a) for a in args.alphas.split(",") if a]
+        ks = [int(k) for k in args.ks.split(",") if k]
+        chosen = choose_options(cfg, params, args.choose_on, variants, alphas, ks, args.validation_instances,
+                                max_starts=args.max_starts, memory_budget=budget, seed=args.seed)
+        report["validation"] = {str(args.choose_on): chosen}
+        report["validation_instances"] = args.validation_instances
+        for variant, c in chosen.items():
+            decodings[variant] = list(dict.fromkeys([(0.0, 0), (c["alpha"], 0)] + [(0.0, k) for k in ks]
+                                                    + [(c["alpha"], c["k"])]))
     for n in sizes:
         for i, variant in enumerate(variants):
             batch = instances.generate(jax.random.key(1000 * n + i), args.num_instances, n, variant)
-            t0 = time.perf_counter()
-            row, costs = policy_row(cfg, params, batch, max_starts=args.max_starts, memory_budget=budget,
-                                    seed=args.seed)
-            row.update(n=n, variant=variant, wall_seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(),
-                       gap=None)
+            ref_key = f"{n} {variant} {args.num_instances} {args.reference_seconds:g}"
+            ref = None
             if args.reference_seconds > 0:
-                row["reference"], ref = reference_row(batch, args.reference_seconds, args.workers)
-                row["gap"] = gap_percent(costs, ref)
-            print(f"n={n} {variant}: {row['plan']}; {row['seconds_per_instance']:.1f} s/inst, "
-                  f"peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, {row['feasible']}/{row['instances']} feasible",
-                  flush=True)
-            report["rows"].append(row)
+                if ref_key in known:
+                    report["references"][ref_key] = known[ref_key]
+                else:
+                    row_ref, ref_costs = reference_row(batch, args.reference_seconds, args.workers)
+                    report["references"][ref_key] = dict(row_ref, costs=ref_costs.tolist())
+                ref = np.asarray(report["references"][ref_key]["costs"], np.float64)
+            for alpha, k in decodings[variant]:
+                t0 = time.perf_counter()
+                row, costs = policy_row(with_decoding(cfg, alpha, k), params, batch, max_starts=args.max_starts,
+                                        memory_budget=budget, seed=args.seed)
+                row.update(n=n, variant=variant, distance_bias=alpha, candidates=k,
+                           wall_seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), gap=None)
+                if ref is not None:
+                    row["reference"] = {k_: v for k_, v in report["references"][ref_key].items() if k_ != "costs"}
+                    row["gap"] = gap_percent(costs, ref)
+                print(f"n={n} {variant} {decoding_name(alpha, k)}: {row['plan']}; {row['seconds_per_instance']:.1f} "
+                      f"s/inst, mean {row['mean_cost']:.4f}, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, "
+                      f"{row['feasible']}/{row['instances']} feasible", flush=True)
+                report["rows"].append(row)
+                with open(output, "w") as f:           # what is measured so far, should the run be stopped
+                    json.dump(report, f, indent=1)
     machine.write_report(report, output, markdown(report))
     return 0
 

@@ -16,6 +16,8 @@ from mvmoe_jax.nn.policy import PolicyConfig
 
 
 DEFAULT_EVAL_BATCH = 64
+# PolicyConfig fields that change how a trained policy decodes, not its parameters (nn/locality.py).
+DECODING_OPTIONS = ("distance_bias", "candidates")
 
 
 def policy_config(model: ml_collections.ConfigDict | dict) -> PolicyConfig:
@@ -34,6 +36,18 @@ def with_compute_dtype(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
     if getattr(flags, "compute_dtype", None):
         return dataclasses.replace(cfg, compute_dtype=flags.compute_dtype)
     return cfg
+
+
+def with_decoding_options(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
+    """The policy with the distance-aware decoding options given on the command line (``--distance_bias``,
+    ``--candidates``; ``nn/locality.py``), the config's own where a flag is absent."""
+    options = {name: getattr(flags, name) for name in DECODING_OPTIONS if getattr(flags, name, None) is not None}
+    return dataclasses.replace(cfg, **options) if options else cfg
+
+
+def decoding_options(cfg: PolicyConfig) -> dict[str, Any]:
+    """{option: value} of the distance-aware decoding options a policy decodes with (for reports)."""
+    return {name: getattr(cfg, name) for name in DECODING_OPTIONS}
 
 
 def execution_plan_of(flags: Any) -> ExecutionPlan:
@@ -67,12 +81,13 @@ def run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict
 def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dict:
     wanted = None if config is None else policy_config(config.model)
     cfg, params = checkpoints.load_policy(flags.checkpoint, wanted)
-    cfg = with_compute_dtype(cfg, flags)
+    cfg = with_decoding_options(with_compute_dtype(cfg, flags), flags)
     plan = execution_plan_of(flags)
     if flags.aug not in (1, 8):
         raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
     batch_size = flags.batch_size or (config.eval_batch_size if config is not None else DEFAULT_EVAL_BATCH)
-    print(f"model {cfg.model} from {flags.checkpoint}")
+    print(f"model {cfg.model} from {flags.checkpoint}"
+          + ("" if not cfg.uses_locations else f"; decoding with {decoding_options(cfg)}"))
     if flags.vrplib_dir:
         return _evaluate_vrplib(cfg, params, flags, batch_size, plan)
     if not flags.data_dir:
@@ -98,7 +113,8 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
         results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
                              "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
                              "seconds": res.seconds, "compile_seconds": res.compile_seconds,
-                             "reference": os.path.basename(ref_path) if gap is not None else None}
+                             "reference": os.path.basename(ref_path) if gap is not None else None,
+                             **decoding_options(cfg)}
         rows.append((var.name, res.mean, float(np.mean(res.obj_no_aug)), gap, res.seconds))
         print(f"{var.name:10s} obj {res.mean:.4f}  gap {_fmt(gap, '.3f')}%  {res.seconds:.2f}s "
               f"(compile {res.compile_seconds:.1f}s)", flush=True)
@@ -162,7 +178,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
         results[meta.name] = {"n": meta.num_customers, "obj": obj, "obj_unit_square": float(res.obj[0]),
                               "bks": best, "gap": gap, "route": res.routes[0], "seconds": res.seconds,
                               "compile_seconds": res.compile_seconds,
-                              "cost_convention": "rounded edges" if rounded else "euclidean"}
+                              "cost_convention": "rounded edges" if rounded else "euclidean", **decoding_options(cfg)}
         print(f"{meta.name:14s} {meta.num_customers:4d} {obj:10.1f} {_fmt(best, '10.0f'):>10s} "
               f"{_fmt(gap, '7.2f'):>7s} {res.seconds:7.2f}", flush=True)
     if gaps:

@@ -64,7 +64,8 @@ def replay(policy: Policy, params, inst: Instance, traj: RolloutOutput, rng: jax
     cfg = policy.cfg
     k_enc, keys = decoding_keys(rng, num_steps)
     emb, aux_enc = policy.apply(params, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-    cache = policy.apply(params, emb, False, method=Policy.precompute)      # no query fusion: see precompute
+    # No query fusion: see precompute.
+    cache = policy.apply(params, emb, False, locs=inst.locs, method=Policy.precompute)
     current = jnp.moveaxis(traj.actions[..., :num_steps], -1, 0)              # (T, B, P)
     chosen = jnp.moveaxis(traj.actions[..., 1:num_steps + 1], -1, 0)          # (T, B, P)
 

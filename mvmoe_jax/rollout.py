@@ -177,7 +177,7 @@ def encode(policy: Policy, params, inst: Instance, rng: jax.Array, train: bool =
            ) -> tuple[DecoderCache, jax.Array]:
     """(decoder cache, encoder MoE auxiliary loss) of a batch, with the encoder key ``rollout`` uses."""
     emb, aux = encode_nodes(policy, params, inst, rng, train)
-    return policy.apply(params, emb, method=Policy.precompute), aux
+    return policy.apply(params, emb, locs=inst.locs, method=Policy.precompute), aux
 
 
 def initial_states(inst: Instance, pomo_size: int) -> tuple[env.State, jax.Array, jax.Array]:
@@ -402,11 +402,11 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
             emb, aux = encode_nodes(policy, params, flat, rng)
             return emb.reshape((group, chunk) + emb.shape[1:]), jnp.full((group,), aux / group)
 
-        def precompute(emb):
+        def precompute(emb, c_inst):
             """A chunk's decoder cache, computed where the chunk decodes. Stacked for a whole group (or, for
             MVMoE-L, for all the device's chunks) instead, the caches were written out and read back per
             chunk, which cost more (see docs/performance.md, "Chunked greedy decoding")."""
-            return policy.apply(params, emb, method=Policy.precompute)
+            return policy.apply(params, emb, locs=c_inst.locs, method=Policy.precompute)
 
         def by_group(x):
             return x.reshape((num_local // group, group) + x.shape[1:])
@@ -417,7 +417,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
         if not policy.cfg.hierarchical:
             def encode_and_decode(g_chunks):
                 emb, aux = encode_group(g_chunks)
-                return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1]), a[2])),
+                return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1], a[0]), a[2])),
                                    (g_chunks, emb, aux))
 
             return jax.tree.map(by_chunk, jax.lax.map(encode_and_decode, jax.tree.map(by_group, chunks)))
@@ -433,7 +433,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
                 # construction was fused into this one-off gather, far slower than a decoding step's (see
                 # docs/performance.md, "Chunked greedy decoding"). Only the keys and values of the cache are
                 # used here; XLA drops the rest.
-                attn = policy.apply(params, precompute(c_emb).without_query_fusion(), states.current,
+                attn = policy.apply(params, precompute(c_emb, c_inst).without_query_fusion(), states.current,
                                     dynamic_features(states), env.batch_action_mask(states),
                                     method=Policy.decoder_attention)
                 return jnp.sum(jnp.where(c_real[:, None, None], attn, 0.0), axis=(0, 1))
@@ -444,7 +444,7 @@ def _chunked_greedy_rollout(policy: Policy, params, inst: Instance, rng: jax.Arr
         emb, aux = by_chunk(emb), by_chunk(aux)
         total = sums.sum((0, 1)) if mesh is None else jax.lax.psum(sums.sum((0, 1)), DATA_AXIS)
         probs = policy.apply(params, total / (m * starts_per_instance), method=Policy.hierarchical_gate_probs)
-        return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1]), a[2]), gate_probs=probs),
+        return jax.lax.map(lambda a: decode(a[0], encoded=(precompute(a[1], a[0]), a[2]), gate_probs=probs),
                            (chunks, emb, aux))
 
     def summarise_chunks(params, chunks, real):

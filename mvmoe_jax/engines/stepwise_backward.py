@@ -33,7 +33,7 @@ def encoder_vjp(policy: Policy, params, inst: Instance, rng: jax.Array):
 
     def encoder(p):
         emb, aux = policy.apply(p, inst, True, method=Policy.encode, rngs={"gating": k_enc})
-        return policy.apply(p, emb, False, method=Policy.precompute), aux
+        return policy.apply(p, emb, False, locs=inst.locs, method=Policy.precompute), aux
 
     return jax.vjp(encoder, params)
 

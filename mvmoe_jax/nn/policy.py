@@ -14,6 +14,7 @@ hierarchical gate choosing between a dense projection and that MoE), then single
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import flax.linen as nn
@@ -25,7 +26,7 @@ from mvmoe_jax.engines import decoder_attention as decoder_attention_engine, que
 from mvmoe_jax.engines.readout import padded_readout_nodes, readout_product, readout_product_given
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance
-from mvmoe_jax.nn import moe as moe_lib
+from mvmoe_jax.nn import locality, moe as moe_lib
 from mvmoe_jax.nn.attention import InstanceNorm, multi_head_attention, split_heads
 from mvmoe_jax.nn.layers import Dense
 
@@ -53,6 +54,9 @@ class PolicyConfig:
     capacity_factor: float | None = None      # None: no token is ever dropped (with the plan's sparse or
                                               # einsum MoE execution, tokens past capacity are)
     compute_dtype: str = "float32"            # float32 | bfloat16 (matmul inputs; params stay float32)
+    # Distance-aware decoding (nn/locality.py), for instances larger than the training ones; off by default.
+    distance_bias: float = 0.0                # alpha: -alpha * log2(n) * d(current, j) added to the logits
+    candidates: int = 0                       # k: the choice among the k nearest feasible customers (0: all)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -65,6 +69,16 @@ class PolicyConfig:
             raise ValueError(f"unknown MoE positions {bad}; expected Raw, Enc0..Enc{self.num_layers - 1}, Dec")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if not (isinstance(self.distance_bias, numbers.Real) and 0 <= self.distance_bias < float("inf")):
+            raise ValueError(f"distance_bias must be a number >= 0, got {self.distance_bias!r}")
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 0:
+            raise ValueError(f"candidates must be a whole number of nodes >= 0 (0: all), got {self.candidates!r}")
+
+    @property
+    def uses_locations(self) -> bool:
+        """Whether decoding reads the node coordinates (``distance_bias`` or ``candidates`` on): the decoder
+        cache then holds them (``Policy.precompute(..., locs=...)``)."""
+        return bool(self.distance_bias) or bool(self.candidates)
 
     @property
     def uses_moe(self) -> bool:
@@ -157,6 +171,9 @@ class DecoderCache:
     node_score_max: (B, H, N) the largest entry of each node_scores row; feature_score_range (B, H, F, 2) the
       smallest and largest of each feature_scores row. From them a step bounds its largest score from above
       without a pass over its scores (``engines.query_tables.score_bound``). None without node_scores.
+    locs: (B, N, 2) the node coordinates, for the distance bias (``PolicyConfig.distance_bias``); None otherwise.
+    neighbour_ranks: (B, N, N) each node's neighbours ranked by distance (``nn.locality.neighbour_ranks``),
+      for the candidate sets (``PolicyConfig.candidates``); None otherwise.
     attention: how a step attends, one of ``engines.decoder_attention.PATHS``, set where the cache is built:
       "projected" (the reference), "hoisted_query" (node_queries), "score_tables" (forward only, the tables)
       or "given_scores" (the backward pass: scores from the tables, gradient through node_queries).
@@ -173,6 +190,8 @@ class DecoderCache:
     node_score_max: jax.Array | None = None
     feature_score_range: jax.Array | None = None
     padded_values: jax.Array | None = None
+    locs: jax.Array | None = None
+    neighbour_ranks: jax.Array | None = None
     attention: str = struct.field(pytree_node=False, default="projected")
 
     def without_query_fusion(self) -> "DecoderCache":
@@ -307,7 +326,7 @@ class Policy(nn.Module):
     def __call__(self, inst: Instance, train: bool = False):
         """Initialisation entry point: encode, then one decoding step from the depot."""
         emb, aux = self.encode(inst, train)
-        cache = self.precompute(emb)
+        cache = self.precompute(emb, locs=inst.locs)
         b, n1 = emb.shape[:2]
         logp, aux2, _ = self.decode(cache, jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1, 4)),
                                     jnp.ones((b, 1, n1), bool), None, train)
@@ -330,10 +349,13 @@ class Policy(nn.Module):
             aux = aux + a
         return x, aux
 
-    def precompute(self, embeddings: jax.Array, fuse_query: bool = True) -> DecoderCache:
+    def precompute(self, embeddings: jax.Array, fuse_query: bool = True, locs: jax.Array | None = None
+                   ) -> DecoderCache:
         """Per-rollout decoder inputs: multi-head keys and values, (the readout fusion) the single-head
         scores' keys pushed through the combining projection's linear maps, and (the query fusion, when
-        ``fuse_query`` and ``cfg.fused_query``) the attention scores of every possible query.
+        ``fuse_query`` and ``cfg.fused_query``) the attention scores of every possible query. ``locs``
+        (B, N, 2): the instances' coordinates, kept where the config's decoding options read distances
+        (``PolicyConfig.uses_locations``; required then).
 
         Why the fusion: a step's scores are ``(sum_m mix_m (attn @ W_m + b_m)) . emb_n``; computing
         ``W_m @ emb_n`` once per rollout turns the per-step (D x D per map, then D x N) work into D x N per
@@ -352,8 +374,13 @@ class Policy(nn.Module):
         """
         cfg = self.cfg
         h = cfg.num_heads
+        if cfg.uses_locations and locs is None:
+            raise ValueError("distance_bias and candidates read the node coordinates: "
+                             "precompute(..., locs=instances.locs)")
         cache = DecoderCache(embeddings=embeddings, keys=split_heads(self.Wk(embeddings), h),
-                             values=split_heads(self.Wv(embeddings), h))
+                             values=split_heads(self.Wv(embeddings), h),
+                             locs=locs if cfg.distance_bias else None,
+                             neighbour_ranks=locality.neighbour_ranks(locs) if cfg.candidates else None)
         if self.is_initializing():
             return cache        # initialisation goes through the plain path, which creates the params
         if self.plan.fused_query:
@@ -415,7 +442,9 @@ class Policy(nn.Module):
         current int (B, P); dynamic (B, P, 4) = (load, time, length, open); mask bool (B, P, N).
         gate_probs: MVMoE-L's dense-or-sparse probabilities (2,), None at the first decoding step
         (they are computed there, from the batch mean, and reused for the whole rollout).
-        Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs.
+        Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs. The
+        config's ``distance_bias`` and ``candidates`` (``nn.locality``) act on the clipped logits and on the
+        mask of the choice (the attention reads ``mask`` as given).
         ``normalise=False`` returns the clipped logits instead of their log-softmax (same argmax, same
         -inf): all that greedy decoding needs when the log-likelihood is not wanted.
 
@@ -438,6 +467,11 @@ class Policy(nn.Module):
         else:
             score, aux, gate_probs = self._scores(cache, attn, train, gate_probs, gating_noise)
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
+        if cfg.distance_bias:
+            score = score + locality.distance_bias(locality.current_distances(cache.locs, current), cfg.distance_bias)
+        if cfg.candidates:
+            mask = locality.candidate_mask(mask, locality.current_ranks(cache.neighbour_ranks, current),
+                                           cfg.candidates)
         score = jnp.where(mask, score, -jnp.inf)
         logp = jax.nn.log_softmax(score, axis=-1) if normalise else score
         if keep_record:

@@ -3,6 +3,7 @@
     python -m mvmoe_jax.solve INPUT... [--checkpoint=NAME|PATH] [--search=greedy|sampling|eas|sgbs|sgbs_eas]
         [--time_limit=S] [--improve=none|ls] [--output=DIR] [--plot] [--problem=VARIANT]
         [--backhauls=paper|classic|mixed] [--bks=BKS.json] [--save_adapted=FILE.npz]
+        [--distance_bias=ALPHA] [--candidates=K]
 
 INPUT: files or folders of VRPLIB ``.vrp`` (with PyVRP's sections for time windows, service times, backhauls
 and route limits), Solomon ``.txt``, the paper's ``.pkl``, ``.npz`` batches (``io.save_npz``) and JSON
@@ -55,6 +56,13 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--save_adapted", default=None, metavar="FILE",
                    help="eas: write each instance's adapted embeddings to this .npz file (format: "
                         "mvmoe_jax/solve/outputs.py)")
+    p.add_argument("--distance_bias", type=float, default=None, metavar="ALPHA",
+                   help="add -ALPHA * log2(n) * d(current, j) to the decoder's logits, favouring near nodes on "
+                        "instances larger than the model's training size (0: off; default: the model's, off for the "
+                        "shipped ones; mvmoe_jax/nn/locality.py)")
+    p.add_argument("--candidates", type=int, default=None, metavar="K",
+                   help="each step chooses among the K feasible customers nearest the current node, and the depot "
+                        "(0: all; default: the model's, all for the shipped ones)")
     p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default all n)")
     p.add_argument("--problem", default=None, help="the variant (e.g. OVRPTW) when the data does not say it all: "
                    "open routes, or a paper .pkl named otherwise")
@@ -107,7 +115,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
                            batch_size=args.batch_size, output=args.output, plot=args.plot,
                            progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
                            eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted,
-                           improve=args.improve, beam_width=args.beam_width, expansion=args.expansion)
+                           improve=args.improve, beam_width=args.beam_width, expansion=args.expansion,
+                           distance_bias=args.distance_bias, candidates=args.candidates)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)
@@ -118,6 +127,9 @@ def main(argv=None, *, setup_process: bool = False) -> int:
         return 2
     for size, name in report.models.items():
         print(f"n = {size}: model {name}")
+    for name, options in report.decoding.items():
+        if any(options.values()):
+            print(f"{name} decodes with " + ", ".join(f"{k} {v}" for k, v in options.items()))
     for what, decode_plan in report.plans.items():
         print(f"{what}: {decode_plan}")
     print(report.table())

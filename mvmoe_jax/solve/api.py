@@ -117,7 +117,8 @@ class SolveReport:
     """A run: its solutions (input order), the inputs refused, and how it ran. ``plans``: per size and
     program, the decoding plan (starts and chunks, ``search.DecodePlan``); ``models``: the checkpoint used per
     size; seconds: the whole run's wall time; compile_seconds: compilation within it; summary_file and
-    adapted_file: what was written (``outputs.write_adapted``)."""
+    adapted_file: what was written (``outputs.write_adapted``); decoding: per checkpoint, the distance-aware
+    decoding options it decoded with ({"distance_bias": alpha, "candidates": k}, ``nn/locality.py``)."""
 
     solutions: list[Solution]
     refused: list[Refused]
@@ -131,6 +132,7 @@ class SolveReport:
     summary_file: str | None = None
     adapted_file: str | None = None
     improve: str = "none"
+    decoding: dict = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         return outputs.table(self.solutions, self.search)
@@ -140,7 +142,8 @@ class SolveReport:
                 "models": {str(n): m for n, m in self.models.items()}, "plans": self.plans,
                 "device": str(jax.local_devices()[0].device_kind), "num_devices": len(jax.local_devices()),
                 "seconds": self.seconds, "compile_seconds": self.compile_seconds,
-                "adapted_file": self.adapted_file, "instances": [s.to_json() for s in self.solutions],
+                "adapted_file": self.adapted_file, "decoding": self.decoding,
+                "instances": [s.to_json() for s in self.solutions],
                 "refused": [dataclasses.asdict(r) for r in self.refused]}
 
 
@@ -281,7 +284,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           memory_budget: int | None = None, execution: ExecutionPlan | None = None,
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
           save_adapted: str | None = None, improve: str = "none", beam_width: int = sgbs.BEAM_WIDTH,
-          expansion: int = sgbs.EXPANSION) -> SolveReport:
+          expansion: int = sgbs.EXPANSION, distance_bias: float | None = None,
+          candidates: int | None = None) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
@@ -293,7 +297,9 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     (``paper``, ``classic``, ``mixed``) for every instance, overriding what the files state (VRPLIB files with
     backhauls are classic, the paper's data paper, JSON files say). output: a folder for a ``.sol`` per
     instance (and with ``plot`` a PNG) and ``summary.json``; None writes nothing. execution: the execution plan
-    (None: the default backend's preset; results do not depend on it).
+    (None: the default backend's preset; results do not depend on it). distance_bias, candidates: the
+    distance-aware decoding options (``PolicyConfig`` fields, ``nn/locality.py``; 0: off) for every model;
+    None: each model's own (off for the shipped ones).
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
     none is left; CheckpointRequiredError (a ValueError) when no checkpoint is given and none ships.
@@ -323,8 +329,12 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     for name in dict.fromkeys(names.values()):
         models.load(name)                     # every checkpoint read before anything is solved or written
 
+    options = {k: v for k, v in (("distance_bias", distance_bias), ("candidates", candidates)) if v is not None}
+    # Bad values are refused here, before anything is solved or written.
+    configs = {name: dataclasses.replace(models.load(name)[0], **options) for name in dict.fromkeys(names.values())}
+
     def model_for(n):
-        return (names[n],) + models.load(names[n])
+        return names[n], configs[names[n]], models.load(names[n])[1]
 
     if output is not None:
         os.makedirs(output, exist_ok=True)
@@ -335,7 +345,9 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
                                                      keep_adapted=save_adapted is not None, improve=improve)
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
                          improve=improve,
-                         models=names, plans=plans, compile_seconds=compile_s, seconds=0.0)
+                         models=names, plans=plans, compile_seconds=compile_s, seconds=0.0,
+                         decoding={name: {"distance_bias": cfg.distance_bias, "candidates": cfg.candidates}
+                                   for name, cfg in configs.items()})
     if save_adapted is not None:
         report.adapted_file = outputs.write_adapted(save_adapted, solutions)
     report.seconds = time.perf_counter() - t_start

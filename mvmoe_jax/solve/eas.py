@@ -185,7 +185,7 @@ def eas_gradient(policy: Policy, params, emb: jax.Array, inst: Instance, actions
     ``engines.stepwise_backward``, where the backward of a replayed scan was several times slower), then the
     cache's cotangent goes back through ``Policy.precompute``. actions, keys, gate_trajectories: as
     ``forced_log_likelihood``; weights (B, Q)."""
-    cache, cache_vjp = jax.vjp(lambda e: policy.apply(params, e, False, method=Policy.precompute), emb)
+    cache, cache_vjp = jax.vjp(lambda e: policy.apply(params, e, False, locs=inst.locs, method=Policy.precompute), emb)
     states, gate_probs, gate_vjp = _forced_start(policy, params, cache, inst, actions, keys[0], gate_trajectories,
                                                  with_vjp=True)
     steps = actions.shape[-1] - 1
@@ -221,7 +221,7 @@ def eas_gradient(policy: Policy, params, emb: jax.Array, inst: Instance, actions
 def _sample(policy: Policy, params, copies: Instance, emb: jax.Array, key: jax.Array, *, starts: int):
     """One instance's sampled rollouts, decoder reading ``emb`` (A, N, D): actions (A, P, T + 1), cost (A, P),
     usable (A, P)."""
-    cache = policy.apply(params, emb, method=Policy.precompute)
+    cache = policy.apply(params, emb, locs=copies.locs, method=Policy.precompute)
     out = rollout.rollout(policy, params, copies, pomo_size=starts, decode_type="sampling", rng=key,
                           encoded=(cache, jnp.float32(0.0)))
     return out.actions, out.cost, out.valid & out.finished

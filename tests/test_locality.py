@@ -1,0 +1,249 @@
+"""Distance-aware decoding (``mvmoe_jax/nn/locality.py``; ``PolicyConfig.distance_bias`` and ``candidates``):
+the candidate set against a brute-force one, the bias exactly where it is documented, k >= n decoding the full
+decoder's tours bit for bit, every route feasible at n = 100 and 200 with the options on (greedy, sampling and
+EAS), a finite gradient, and the command-line flags with their reports and errors. That every execution plan
+carries the options is in tests/test_execution_plan.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mvmoe_jax import checker, cli, execution, instances, reinforce, rollout, shipped, training
+from mvmoe_jax.nn import locality
+from mvmoe_jax.nn.policy import Policy, PolicyConfig
+from mvmoe_jax.solve import api
+from mvmoe_jax.solve.__main__ import main
+
+N = 20
+CFG = PolicyConfig(model="mvmoe", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
+                   expert_loc=("Enc0", "Dec"))
+REFERENCE = execution.reference()
+
+
+@pytest.fixture(scope="module")
+def params():
+    """Initial parameters with the (zero-initialised) gates made random, so that routing varies."""
+    params = training.init_params(CFG, jax.random.key(0), N)
+    rng = np.random.default_rng(0)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) if "w_gate" in jax.tree_util.keystr(path)
+        else x, params)
+
+
+def mixed_batch(n: int, variants=("CVRP", "VRPBLTW", "OVRPTW", "VRPL"), seed: int = 0):
+    parts = [instances.generate(jax.random.key(seed + i), 1, n, v) for i, v in enumerate(variants)]
+    return jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+
+
+def with_options(**options) -> PolicyConfig:
+    return dataclasses.replace(CFG, **options)
+
+
+def brute_force_candidates(mask: np.ndarray, dist: np.ndarray, k: int) -> np.ndarray:
+    """Row by row: the depot's entry, and the k feasible customers first by (distance, index)."""
+    out = np.zeros_like(mask)
+    for idx in np.ndindex(mask.shape[:-1]):
+        out[idx + (0,)] = mask[idx + (0,)]
+        feasible = sorted((dist[idx + (j,)], j) for j in range(1, mask.shape[-1]) if mask[idx + (j,)])
+        for _, j in feasible[:k]:
+            out[idx + (j,)] = True
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 11, 40])
+def test_the_candidates_are_the_k_nearest_feasible_customers_and_the_depot(k):
+    rng = np.random.default_rng(k)
+    locs = rng.random((3, 12, 2)).astype(np.float32)
+    locs[1, 4] = locs[1, 3]                                          # two customers at one place: a tie
+    current = rng.integers(0, 12, (3, 5))
+    current[1, 1] = 5
+    mask = rng.random((3, 5, 12)) < 0.5
+    mask[0, 0, 1:] = False                                          # a row where only the depot may be feasible
+    mask[1, 1, 3] = mask[1, 1, 4] = True
+    here = np.take_along_axis(locs, current[..., None], axis=1)                                 # (B, P, 2)
+    dist = ((locs[:, None] - here[:, :, None]) ** 2).sum(-1)                                    # squared: same order
+    ranks = locality.current_ranks(locality.neighbour_ranks(jnp.asarray(locs)), jnp.asarray(current))
+    want_ranks = np.argsort(np.argsort(dist, axis=-1, kind="stable"), axis=-1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(ranks), want_ranks)
+    got = np.asarray(locality.candidate_mask(jnp.asarray(mask), ranks, k))
+    np.testing.assert_array_equal(got, brute_force_candidates(mask, dist, k))
+    assert not (got & ~mask).any()                                  # never a node the rules forbid
+    assert (got[..., 1:].sum(-1) == np.minimum(mask[..., 1:].sum(-1), k)).all()   # empty only without a feasible one
+    if k >= 11:
+        np.testing.assert_array_equal(got, mask)
+
+
+def test_the_options_are_checked_and_read_from_older_configs():
+    assert not CFG.uses_locations and CFG.distance_bias == 0.0 and CFG.candidates == 0
+    old = {k: v for k, v in CFG.to_dict().items() if k not in ("distance_bias", "candidates")}
+    assert PolicyConfig.from_dict(old) == CFG                       # configs stored before the options: off
+    assert with_options(candidates=5).uses_locations and with_options(distance_bias=0.5).uses_locations
+    for bad, match in ((dict(distance_bias=-1.0), "distance_bias must be a number >= 0, got -1.0"),
+                       (dict(distance_bias=float("inf")), "distance_bias must be a number >= 0"),
+                       (dict(candidates=-2), r"candidates must be a whole number of nodes >= 0 \(0: all\), got -2"),
+                       (dict(candidates=2.5), "candidates must be a whole number")):
+        with pytest.raises(ValueError, match=match):
+            with_options(**bad)
+    with pytest.raises(ValueError, match="candidates must be a positive number of nodes, got 0"):
+        locality.candidate_mask(jnp.ones((1, 1, 3), bool), jnp.arange(3.0)[None, None], 0)
+
+
+def _step_scores(cfg, params, batch, current):
+    """A decoding step's clipped, masked logits (B, P, N) from ``current`` (B, P), the env's mask at the start."""
+    policy = Policy(cfg, REFERENCE)
+    emb, _ = rollout.encode_nodes(policy, params, batch, jax.random.key(0))
+    cache = policy.apply(params, emb, locs=batch.locs, method=Policy.precompute)
+    states, _, _ = rollout.initial_states(batch, current.shape[1])
+    mask = jnp.ones(current.shape + (batch.locs.shape[1],), bool).at[..., 2].set(False)
+    logits, _, _ = policy.apply(params, cache, current, rollout.dynamic_features(states), mask, None, False, False,
+                                method=Policy.decode, rngs={"gating": jax.random.key(1)})
+    return np.asarray(logits), np.asarray(mask), cache
+
+
+def test_the_bias_is_added_to_the_clipped_logits_of_the_choice(params):
+    batch = mixed_batch(N)
+    current = jnp.asarray(np.random.default_rng(0).integers(0, N + 1, (4, 6)), jnp.int32)
+    plain, mask, cache_off = _step_scores(CFG, params, batch, current)
+    alpha = 0.7
+    biased, _, cache_on = _step_scores(with_options(distance_bias=alpha), params, batch, current)
+    assert cache_off.locs is None and cache_on.locs is not None     # off: the cache is the one decoding had before
+    assert cache_off.neighbour_ranks is None and cache_on.neighbour_ranks is None
+    locs = np.asarray(batch.locs, np.float64)
+    here = np.take_along_axis(locs, np.asarray(current)[..., None], axis=1)                    # (B, P, 2)
+    dist = np.linalg.norm(locs[:, None] - here[:, :, None], axis=-1)                           # (B, P, N)
+    want = plain - alpha * math.log2(N) * dist
+    np.testing.assert_allclose(np.where(mask, biased, 0.0), np.where(mask, want, 0.0), rtol=1e-5, atol=1e-5)
+    assert np.isneginf(biased[~mask]).all()
+
+
+def _greedy(cfg, params, batch, plan=REFERENCE, pomo_size=N):
+    return jax.device_get(rollout.greedy_evaluate(cfg, params, batch, jax.random.key(4), pomo_size=pomo_size,
+                                                  plan=plan, num_devices=1))
+
+
+@pytest.mark.parametrize("k", [N, N + 7])
+def test_candidates_of_n_or_more_decode_the_full_decoders_tours_bit_for_bit(params, k):
+    batch = mixed_batch(N)
+    full, restricted = _greedy(CFG, params, batch), _greedy(with_options(candidates=k), params, batch)
+    np.testing.assert_array_equal(restricted.best_actions, full.best_actions)
+    np.testing.assert_array_equal(restricted.obj, full.obj)
+    np.testing.assert_array_equal(restricted.obj_no_aug, full.obj_no_aug)
+    sampled = [jax.device_get(rollout.rollout(Policy(cfg, REFERENCE), params, batch, pomo_size=N,
+                                              decode_type="sampling", rng=jax.random.key(9)))
+               for cfg in (CFG, with_options(candidates=k))]
+    np.testing.assert_array_equal(sampled[1].actions, sampled[0].actions)
+    np.testing.assert_array_equal(sampled[1].log_likelihood, sampled[0].log_likelihood)
+
+
+def test_few_candidates_and_the_bias_change_the_tours(params):
+    """The options act: a few candidates or a strong bias make the tours shorter than this untrained policy's."""
+    batch = mixed_batch(N)
+    full = _greedy(CFG, params, batch)
+    for options in (dict(candidates=2), dict(distance_bias=3.0)):
+        assert _greedy(with_options(**options), params, batch).obj.mean() < full.obj.mean(), options
+
+
+@pytest.mark.parametrize("n,variants", [(100, ("CVRP", "VRPBLTW", "OVRPTW", "OVRPBL")), (200, ("CVRP", "VRPTW"))])
+def test_every_route_passes_the_checker_with_the_options_on(params, n, variants):
+    """Greedy x8 from 8 starts with the bias and 3 candidates, and with a single candidate: every route feasible
+    under its instance's rules, at the cost reported."""
+    batch = mixed_batch(n, variants, seed=n)
+    for options in (dict(distance_bias=1.0, candidates=3), dict(candidates=1)):
+        res = _greedy(with_options(**options), params, batch, execution.cpu(), pomo_size=8)
+        assert res.all_finished.all()
+        routes = [checker.actions_to_route(a) for a in res.best_actions]
+        checks = checker.verify_routes(batch, routes, res.obj, source=f"n={n} {options}")
+        assert all(c.feasible for c in checks)
+
+
+@pytest.mark.parametrize("search", ["sampling", "eas"])
+def test_sampling_and_eas_keep_the_options_and_their_routes_are_feasible(params, search):
+    batch = mixed_batch(N, seed=3)
+    solutions = api.solve_instances(with_options(distance_bias=1.0, candidates=4), params, batch, search=search,
+                                    rounds=2)
+    assert all(s.feasible and s.cost <= s.greedy_cost for s in solutions)
+    greedy = _greedy(with_options(distance_bias=1.0, candidates=4), params, batch, execution.cpu())
+    np.testing.assert_allclose([s.greedy_cost for s in solutions], greedy.obj, rtol=1e-5)
+
+
+def test_the_bias_is_differentiable(params):
+    """The replayed log-likelihood of sampled tours has a finite gradient with the bias on, and another than
+    without it."""
+    batch = mixed_batch(N)
+
+    def gradient(cfg):
+        policy = Policy(cfg, REFERENCE)
+        traj = reinforce.sample_trajectories(policy, params, batch, jax.random.key(2), pomo_size=N, max_steps=2 * N)
+        loss = lambda p: reinforce.replay(policy, p, batch, traj, jax.random.key(2), num_steps=2 * N)[0].sum()
+        return jax.grad(loss)(params)
+
+    on, off = gradient(with_options(distance_bias=1.0, candidates=5)), gradient(CFG)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(on))
+    assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)))
+
+
+def test_the_decoder_cache_needs_the_coordinates_when_the_options_read_them(params):
+    policy = Policy(with_options(candidates=3), REFERENCE)
+    emb, _ = rollout.encode_nodes(policy, params, mixed_batch(N), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"read the node coordinates: precompute\(..., locs=instances.locs\)"):
+        policy.apply(params, emb, method=Policy.precompute)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command lines
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def shipped_small(tmp_path, monkeypatch, params):
+    root = tmp_path / "shipped"
+    shipped.export(root / "small_n20", params, CFG, {"config": {"problem_size": 20}})
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", root)
+    return root
+
+
+def _vrp_file(path, inst):
+    """A CVRPLIB-style file of one n = 20 CVRP instance, coordinates in units of 1/1000."""
+    xy = np.rint(np.asarray(inst.locs) * 1000).astype(int)
+    demand = np.rint(np.asarray(inst.demand) * 30).astype(int)
+    lines = ["NAME : small", "TYPE : CVRP", f"DIMENSION : {len(xy)}", "EDGE_WEIGHT_TYPE : EUC_2D", "CAPACITY : 30",
+             "NODE_COORD_SECTION", *[f"{i + 1} {x} {y}" for i, (x, y) in enumerate(xy)], "DEMAND_SECTION",
+             *[f"{i + 1} {d}" for i, d in enumerate(demand)], "DEPOT_SECTION", "1", "-1", "EOF"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_small, capsys):
+    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N)))
+    out = tmp_path / "out"
+    assert main([str(path), f"--output={out}", "--no_progress", "--distance_bias=0.5", "--candidates=4"]) == 0
+    assert "small_n20 decodes with distance_bias 0.5, candidates 4" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["decoding"] == {"small_n20": {"distance_bias": 0.5, "candidates": 4}}
+    assert summary["instances"][0]["feasible"]
+    assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
+    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert plain["decoding"] == {"small_n20": {"distance_bias": 0.0, "candidates": 0}}
+    assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: candidates must be a whole number of nodes >= 0 (0: all), got -1"]
+
+
+def test_evaluation_takes_the_options_and_reports_them(tmp_path, shipped_small):
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _vrp_file(folder / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(6), 1, N)))
+    flags = types.SimpleNamespace(checkpoint="small_n20", vrplib_dir=str(folder), bks=None, aug=8, batch_size=None,
+                                  num_instances=None, pomo_size=None, seed=0, chunk_size=None, execution="cpu",
+                                  distance_bias=0.5, candidates=4)
+    got = cli.run_evaluation(None, flags)["small"]
+    assert (got["distance_bias"], got["candidates"]) == (0.5, 4)
+    plain = cli.run_evaluation(None, types.SimpleNamespace(**dict(vars(flags), distance_bias=None, candidates=None)))
+    assert (plain["small"]["distance_bias"], plain["small"]["candidates"]) == (0.0, 0)      # the model's own: off
