@@ -113,11 +113,11 @@ def test_one_field_decodes_the_reference_tours(field, params, batch, reference_g
     np.testing.assert_allclose(got.obj_no_aug, reference_greedy.obj_no_aug, rtol=1e-6)
 
 
-def _training_step(plan, params, batch):
+def _training_step(plan, params, batch, cfg=CFG):
     """(the sampled tours' mean best cost, the gradient) of one training step: plain SGD at rate 1 makes the
     parameter update the negative gradient."""
     settings = training.StepSettings(pomo_size=N, aux_loss_coef=10.0)
-    fns = training.StepFunctions(CFG, plan, optax.sgd(1.0), settings, num_customers=N,
+    fns = training.StepFunctions(cfg, plan, optax.sgd(1.0), settings, num_customers=N,
                                  variants=("CVRP", "VRPBLTW", "OVRPTW", "VRPL"), mixed=True,
                                  mesh=training.make_mesh(jax.devices()[:1]))
     state = fns.init_state(params)
@@ -205,3 +205,34 @@ def test_the_plan_is_part_of_the_jit_cache_key(params, batch):
     assert rollout._greedy_evaluate._cache_size() == before + 2
     _greedy(dataclasses.replace(three, eval_chunk_trajectories=60), params, batch)     # an equal plan: cached
     assert rollout._greedy_evaluate._cache_size() == before + 2
+
+
+# The distance-aware decoding options (PolicyConfig.distance_bias and candidates, nn/locality.py) act on a step's
+# logits and choice after every engine has run, so every plan carries them; here each preset against the reference,
+# for greedy evaluation (MVMoE and MVMoE-L, whose gate takes its own pass over the chunks) and a training step.
+DECODING = dict(distance_bias=1.5, candidates=4)
+
+
+@pytest.mark.parametrize("preset", ["cpu", "gpu"])
+def test_the_decoding_options_hold_under_every_preset(preset, params, batch):
+    cfg = dataclasses.replace(CFG, **DECODING)
+    plan = execution.plan_for(preset, cpu_devices=1, huge_pages=False)
+    want = rollout.greedy_evaluate(cfg, params, batch, jax.random.key(4), pomo_size=N, plan=REFERENCE, num_devices=1)
+    got = rollout.greedy_evaluate(cfg, params, batch, jax.random.key(4), pomo_size=N, plan=plan, num_devices=1)
+    plain = _greedy(REFERENCE, params, batch)
+    assert not np.array_equal(want.best_actions, plain.best_actions)          # the options change the tours
+    np.testing.assert_array_equal(got.best_actions, want.best_actions)
+    np.testing.assert_allclose(got.obj, want.obj, rtol=1e-6)
+    light = dataclasses.replace(cfg, model="mvmoe_light")
+    light_params = training.init_params(light, jax.random.key(1), N)
+    want, got = (rollout.greedy_evaluate(light, light_params, batch, jax.random.key(4), pomo_size=N, plan=p,
+                                         num_devices=1) for p in (REFERENCE, plan))
+    np.testing.assert_array_equal(got.best_actions, want.best_actions)
+
+    want_score, want_grads = _training_step(REFERENCE, params, batch, cfg)
+    score, grads = _training_step(plan, params, batch, cfg)
+    assert score == pytest.approx(want_score, rel=1e-6)
+    scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_grads))
+    for expected, g in zip(jax.tree.leaves(want_grads), jax.tree.leaves(grads)):
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, expected, rtol=1e-3, atol=1e-5 * scale)

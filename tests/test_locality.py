@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mvmoe_jax import checker, cli, execution, instances, reinforce, rollout, shipped, training
+from mvmoe_jax import checker, cli, execution, instances, rollout, shipped, training
 from mvmoe_jax.nn import locality
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.solve import api
@@ -129,7 +129,7 @@ def _greedy(cfg, params, batch, plan=REFERENCE, pomo_size=N):
                                                   plan=plan, num_devices=1))
 
 
-@pytest.mark.parametrize("k", [N, N + 7])
+@pytest.mark.parametrize("k", [N, pytest.param(N + 7, marks=pytest.mark.slow)])
 def test_candidates_of_n_or_more_decode_the_full_decoders_tours_bit_for_bit(params, k):
     batch = mixed_batch(N)
     full, restricted = _greedy(CFG, params, batch), _greedy(with_options(candidates=k), params, batch)
@@ -151,7 +151,8 @@ def test_few_candidates_and_the_bias_change_the_tours(params):
         assert _greedy(with_options(**options), params, batch).obj.mean() < full.obj.mean(), options
 
 
-@pytest.mark.parametrize("n,variants", [(100, ("CVRP", "VRPBLTW", "OVRPTW", "OVRPBL")), (200, ("CVRP", "VRPTW"))])
+@pytest.mark.parametrize("n,variants", [(100, ("CVRP", "VRPBLTW", "OVRPTW", "OVRPBL")),
+                                        pytest.param(200, ("CVRP", "VRPTW"), marks=pytest.mark.slow)])
 def test_every_route_passes_the_checker_with_the_options_on(params, n, variants):
     """Greedy x8 from 8 starts with the bias and 3 candidates, and with a single candidate: every route feasible
     under its instance's rules, at the cost reported."""
@@ -164,7 +165,7 @@ def test_every_route_passes_the_checker_with_the_options_on(params, n, variants)
         assert all(c.feasible for c in checks)
 
 
-@pytest.mark.parametrize("search", ["sampling", "eas"])
+@pytest.mark.parametrize("search", [pytest.param("sampling", marks=pytest.mark.slow), "eas"])
 def test_sampling_and_eas_keep_the_options_and_their_routes_are_feasible(params, search):
     batch = mixed_batch(N, seed=3)
     solutions = api.solve_instances(with_options(distance_bias=1.0, candidates=4), params, batch, search=search,
@@ -175,15 +176,25 @@ def test_sampling_and_eas_keep_the_options_and_their_routes_are_feasible(params,
 
 
 def test_the_bias_is_differentiable(params):
-    """The replayed log-likelihood of sampled tours has a finite gradient with the bias on, and another than
-    without it."""
+    """A decoding step's log-probabilities of chosen nodes have a finite gradient in the parameters with the
+    options on, and another than without them (training a whole step under every plan with them:
+    tests/test_execution_plan.py)."""
     batch = mixed_batch(N)
+    current = jnp.asarray(np.random.default_rng(1).integers(0, N + 1, (4, 6)), jnp.int32)
+    chosen = jnp.asarray(np.random.default_rng(2).integers(3, N + 1, (4, 6)), jnp.int32)
 
     def gradient(cfg):
         policy = Policy(cfg, REFERENCE)
-        traj = reinforce.sample_trajectories(policy, params, batch, jax.random.key(2), pomo_size=N, max_steps=2 * N)
-        loss = lambda p: reinforce.replay(policy, p, batch, traj, jax.random.key(2), num_steps=2 * N)[0].sum()
-        return jax.grad(loss)(params)
+        states, _, _ = rollout.initial_states(batch, 6)
+        mask = jnp.ones((4, 6, N + 1), bool).at[..., 1:3].set(False)
+
+        def picked(p):
+            emb, _ = policy.apply(p, batch, True, method=Policy.encode, rngs={"gating": jax.random.key(0)})
+            cache = policy.apply(p, emb, False, locs=batch.locs, method=Policy.precompute)
+            logp = policy.apply(p, cache, current, rollout.dynamic_features(states), mask, None, True,
+                                method=Policy.decode, rngs={"gating": jax.random.key(1)})[0]
+            return jnp.sum(jnp.where(jnp.isfinite(logp), logp, 0.0) * jax.nn.one_hot(chosen, N + 1))
+        return jax.grad(picked)(params)
 
     on, off = gradient(with_options(distance_bias=1.0, candidates=5)), gradient(CFG)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(on))
@@ -221,7 +232,7 @@ def _vrp_file(path, inst):
 
 
 def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_small, capsys):
-    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N)))
+    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
     out = tmp_path / "out"
     assert main([str(path), f"--output={out}", "--no_progress", "--distance_bias=0.5", "--candidates=4"]) == 0
     assert "small_n20 decodes with distance_bias 0.5, candidates 4" in capsys.readouterr().out
@@ -239,7 +250,7 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
 def test_evaluation_takes_the_options_and_reports_them(tmp_path, shipped_small):
     folder = tmp_path / "files"
     folder.mkdir()
-    _vrp_file(folder / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(6), 1, N)))
+    _vrp_file(folder / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(6), 1, N, "CVRP")))
     flags = types.SimpleNamespace(checkpoint="small_n20", vrplib_dir=str(folder), bks=None, aug=8, batch_size=None,
                                   num_instances=None, pomo_size=None, seed=0, chunk_size=None, execution="cpu",
                                   distance_bias=0.5, candidates=4)
