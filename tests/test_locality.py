@@ -165,8 +165,8 @@ def test_every_route_passes_the_checker_with_the_options_on(params, n, variants)
         assert all(c.feasible for c in checks)
 
 
-@pytest.mark.parametrize("search", [pytest.param("sampling", marks=pytest.mark.slow), "eas"])
-def test_sampling_and_eas_keep_the_options_and_their_routes_are_feasible(params, search):
+@pytest.mark.parametrize("search", [pytest.param("sampling", marks=pytest.mark.slow), "eas", "sgbs"])
+def test_the_searches_keep_the_options_and_their_routes_are_feasible(params, search):
     batch = mixed_batch(N, seed=3)
     solutions = api.solve_instances(with_options(distance_bias=1.0, candidates=4), params, batch, search=search,
                                     rounds=2)

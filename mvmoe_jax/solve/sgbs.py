@@ -97,7 +97,7 @@ def _gate_probs(policy: Policy, params, cache, states: env.State, key: jax.Array
 def _first_one(policy: Policy, starts: int, params, key: jax.Array, copies: Instance, emb: jax.Array, index):
     """One instance's ``FirstRollouts`` (without the batch axis): copies (A, ...), emb (A, N, D)."""
     key = jax.random.fold_in(key, index)
-    cache = policy.apply(params, emb, method=Policy.precompute)
+    cache = policy.apply(params, emb, locs=copies.locs, method=Policy.precompute)
     states, _, _ = rollout.initial_states(copies, starts)
     gate_probs = _gate_probs(policy, params, cache, states, key)
     out = rollout.rollout(policy, params, copies, pomo_size=starts, decode_type="greedy", rng=key,
@@ -110,7 +110,7 @@ def _depth_one(policy: Policy, expansion: int, params, key: jax.Array, depth: ja
     """One instance's depth (without the batch axis): (beam, best_cost (), best_actions (T + 1,), done ())."""
     key = jax.random.fold_in(jax.random.fold_in(key, index), depth)
     k_expand, k_simulate = jax.random.split(key)
-    cache = policy.apply(params, emb, method=Policy.precompute)
+    cache = policy.apply(params, emb, locs=copies.locs, method=Policy.precompute)
     states, completion = beam.states, beam.completion
     a, w, t1 = completion.shape
     g = expansion - 1
