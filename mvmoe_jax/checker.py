@@ -167,17 +167,37 @@ def split_subtours(route: Sequence[int]) -> list[list[int]]:
     return tours
 
 
-def tours_cost(coords: np.ndarray, routes: Sequence[Sequence[int]], is_open: bool, rounded: bool = False) -> float:
-    """The cost of ``routes`` (lists of customers 1..n) on coordinates float64 (n+1, 2), depot first: Euclidean
-    edges (each rounded to the nearest integer with ``rounded``, CVRPLIB's convention), the depot closing every
-    route unless routes are open."""
+# How a file's best-known costs count an edge of Euclidean length d (``tours_cost``): ``exact`` d itself; ``nint``
+# d rounded to the nearest integer (CVRPLIB's EUC_2D, e.g. Set X); ``dimacs`` d truncated to one decimal (the
+# DIMACS challenge's rule, used by CVRPLIB for the Solomon and Gehring-Homberger VRPTW sets).
+COST_CONVENTIONS = ("exact", "nint", "dimacs")
+
+
+def edge_units(d: float, convention: str) -> float:
+    """An edge of Euclidean length ``d`` under ``convention`` (``COST_CONVENTIONS``), in units of the convention's
+    resolution: d for ``exact``, the integer nearest d for ``nint``, the tenths of d truncated for ``dimacs``."""
+    if convention == "exact":
+        return d
+    if convention == "nint":
+        return math.floor(d + 0.5)
+    if convention == "dimacs":
+        return math.floor(10.0 * d)
+    raise ValueError(f"unknown cost convention {convention!r}; choose one of {', '.join(COST_CONVENTIONS)}")
+
+
+def tours_cost(coords: np.ndarray, routes: Sequence[Sequence[int]], is_open: bool, rounded: bool = False, *,
+               convention: str | None = None) -> float:
+    """The cost of ``routes`` (lists of customers 1..n) on coordinates float64 (n+1, 2), depot first: the depot
+    closing every route unless routes are open, each edge counted under ``convention`` (``COST_CONVENTIONS``;
+    default ``exact``, or ``nint`` with ``rounded``). Under ``dimacs`` the sum is of whole tenths, so it is
+    exact to one decimal."""
+    convention = convention or ("nint" if rounded else "exact")
     total = 0.0
     for tour in routes:
         seq = [0, *tour] + ([] if is_open else [0])
         for a, b in zip(seq[:-1], seq[1:]):
-            d = math.dist(coords[a], coords[b])
-            total += math.floor(d + 0.5) if rounded else d
-    return total
+            total += edge_units(math.dist(coords[a], coords[b]), convention)
+    return total / 10.0 if convention == "dimacs" else total
 
 
 def actions_to_route(actions) -> list[int]:

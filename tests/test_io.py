@@ -298,6 +298,20 @@ def test_read_vrplib_errors(tmp_path, kwargs, message):
     assert str(path) in str(err.value)
 
 
+def test_an_explicit_matrix_file_is_refused_for_its_edge_weight_type(tmp_path):
+    """A file of EXPLICIT distances (EDGE_WEIGHT_FORMAT, EDGE_WEIGHT_SECTION) is refused for what it is, not for
+    the fields that come with it."""
+    path = tmp_path / "matrix.vrp"
+    path.write_text("NAME : matrix\nTYPE : CVRP\nDIMENSION : 3\nEDGE_WEIGHT_TYPE : EXPLICIT\n"
+                    "EDGE_WEIGHT_FORMAT : FULL_MATRIX\nCAPACITY : 10\nEDGE_WEIGHT_SECTION\n0 1 2\n1 0 3\n2 3 0\n"
+                    "DEMAND_SECTION\n1 0\n2 1\n3 1\nDEPOT_SECTION\n1\n-1\nEOF\n")
+    with pytest.raises(ValueError) as err:
+        read_vrplib(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: EDGE_WEIGHT_TYPE is 'EXPLICIT'") and "only EUC_2D" in message
+    assert "unknown field" not in message and "unknown section" not in message
+
+
 def test_read_vrplib_tiny_and_malformed(tmp_path):
     inst, meta = read_vrplib(write_vrp(tmp_path))
     assert meta.scale == 20 and meta.offset == (0.0, 0.0) and meta.num_customers == 3
@@ -353,8 +367,11 @@ def test_read_every_solomon_file(paper):
         assert (meta.name, meta.num_vehicles, meta.capacity) == (path.stem, vehicles, capacity)
         assert problems.variant_from_flags(*np.asarray(inst.flags)[0]).name == "VRPTW"
         assert locs.min() >= 0 and locs.max() <= 1
-        # The reference implementation's factor: coordinates in the square, the depot closing by 3.
-        assert meta.offset == (0.0, 0.0) and meta.scale == pytest.approx(max(xy.max(), due[0] / 3), rel=1e-12)
+        # The rule shared with the VRPLIB reader: the per-axis minimum subtracted, one factor for coordinates and
+        # times, the depot closing by 3.
+        extent = (xy.max(0) - xy.min(0)).max()
+        np.testing.assert_array_equal(meta.offset, xy.min(0))
+        assert meta.scale == pytest.approx(max(extent, due[0] / 3), rel=1e-12)
         assert float(inst.tw_end[0, 0]) <= 3 * (1 + 1e-6)
         assert locs.max() == pytest.approx(1) or float(inst.tw_end[0, 0]) == pytest.approx(3)
         np.testing.assert_allclose(np.asarray(inst.demand)[0], demand / capacity, rtol=1e-6)

@@ -222,6 +222,97 @@ def test_pyvrp_reads_the_same_vrplib_file(tmp_path):
     assert data.vehicle_type(0).tw_late == pytest.approx(float(ours.tw_end[0, 0]) * meta.scale, rel=1e-6)
 
 
+# A depot and 4 customers away from the origin (the per-axis minimum is not 0), with time windows and service.
+TW_COORDS = np.array([[30, 40], [10, 45], [55, 20], [40, 70], [25, 25]], np.float64)
+TW_DEMAND = [0, 3, 4, 2, 5]
+TW_WINDOWS = [[0, 400], [0, 200], [50, 250], [0, 300], [100, 350]]
+TW_SERVICE = [0, 10, 10, 10, 10]
+
+
+def solomon_text(coords, demand, windows, service, name="T5", capacity=30):
+    """A Solomon file of these per-node values, depot first."""
+    head = f"{name}\n\nVEHICLE\nNUMBER     CAPACITY\n  25         {capacity}\n\nCUSTOMER\n" \
+           "CUST NO. XCOORD. YCOORD. DEMAND READY TIME DUE DATE SERVICE TIME\n\n"
+    return head + "".join(f"{i} {x:g} {y:g} {d:g} {a:g} {b:g} {s:g}\n"
+                          for i, ((x, y), d, (a, b), s) in enumerate(zip(coords, demand, windows, service)))
+
+
+def test_the_same_data_as_vrplib_and_as_solomon_gives_the_same_instance(tmp_path):
+    vrp = write(tmp_path / "t5.vrp", vrp_text(TW_COORDS, TW_DEMAND, tw=TW_WINDOWS, service=TW_SERVICE, type_="VRPTW"))
+    txt = write(tmp_path / "t5.txt", solomon_text(TW_COORDS, TW_DEMAND, TW_WINDOWS, TW_SERVICE))
+    [a], [b] = inputs.read_file(str(vrp)), inputs.read_file(str(txt))
+    assert (a.variant, a.scale, a.cost_convention) == (b.variant, b.scale, b.cost_convention) == ("VRPTW", 400 / 3,
+                                                                                                  "dimacs")
+    for name, x, y in zip(a.instance.__dataclass_fields__, jax.tree.leaves(a.instance), jax.tree.leaves(b.instance)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    np.testing.assert_array_equal(a.coords, TW_COORDS)
+    np.testing.assert_array_equal(b.coords, TW_COORDS)
+    # The shared rule: the per-axis minimum at 0, one factor for coordinates and times.
+    np.testing.assert_allclose(np.asarray(a.instance.locs).min(0), 0, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a.instance.locs)[3] * a.scale, TW_COORDS[3] - TW_COORDS.min(0), rtol=1e-6)
+
+
+def test_vrplib_and_solomon_files_are_recognised_by_content_under_any_extension(tmp_path):
+    """PyVRP names VRPLIB files .txt (E-n22-k4.txt); a Solomon file may be named .vrp, or anything."""
+    named = {"E-n5.txt": vrp_text(SQUARE, OK_DEMAND, type_="CVRP"),
+             "t5.vrp": solomon_text(TW_COORDS, TW_DEMAND, TW_WINDOWS, TW_SERVICE),
+             "t5.instance": solomon_text(TW_COORDS, TW_DEMAND, TW_WINDOWS, TW_SERVICE, name="T5b")}
+    for name, text in named.items():
+        write(tmp_path / name, text)
+    read, refused = inputs.read_inputs([tmp_path / name for name in named])
+    assert refused == []
+    got = {p.source.rsplit("/", 1)[-1]: p for p in read}
+    assert (got["E-n5.txt"].name, got["E-n5.txt"].variant, got["E-n5.txt"].cost_convention) == ("test", "CVRP", "nint")
+    for name in ("t5.vrp", "t5.instance"):
+        assert (got[name].variant, got[name].num_customers, got[name].cost_convention) == ("VRPTW", 4, "dimacs")
+    assert inputs.file_format(str(tmp_path / "E-n5.txt")) == "VRPLIB"
+    assert inputs.file_format(str(tmp_path / "t5.vrp")) == "Solomon"
+    # A file that is neither, under an unknown extension, is refused by name.
+    write(tmp_path / "notes.md", "just some notes\n")
+    [(bad)] = inputs.read_inputs([tmp_path / "notes.md"])[1]
+    assert "notes.md: unknown format .md" in bad.error
+
+
+def _independent_cost(coords, routes, convention):
+    """Closed routes' cost from the depot (row 0 of coords) with each edge rounded (``nint``) or truncated to one
+    decimal (``dimacs``), summed in whole units or tenths."""
+    units = 0
+    for route in routes:
+        stops = [0, *route, 0]
+        for a, b in zip(stops, stops[1:]):
+            d = math.hypot(coords[a][0] - coords[b][0], coords[a][1] - coords[b][1])
+            units += int(d + 0.5) if convention == "nint" else int(d * 10)
+    return units if convention == "nint" else units / 10
+
+
+def test_the_sol_cost_is_in_the_instance_s_own_convention(tmp_path, shipped_small, capsys):
+    """CVRPLIB's EUC_2D files: edges rounded to integers; VRPLIB files with time windows and Solomon files: edges
+    truncated to one decimal (DIMACS). The .sol states that cost, the summary keeps it beside the exact length,
+    and the gap is taken from it."""
+    cvrp, tw = (jax.tree.map(lambda x: x[0], generated(v, 1, seed=9)) for v in ("CVRP", "VRPTW"))
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write(folder / "cvrp.vrp", vrp_from_instance(cvrp).replace("NAME : test", "NAME : cvrp"))
+    write(folder / "tw.vrp", vrp_from_instance(tw, type_="VRPTW").replace("NAME : test", "NAME : tw"))
+    write(folder / "tw.txt", solomon_from_instance(tw, name="S20"))
+    bks = write(tmp_path / "bks.json", json.dumps({"mine": {"cvrp": 900.0, "tw": 1500.0, "S20": 1500.0}}))
+    out = tmp_path / "out"
+    assert main([str(folder), f"--output={out}", f"--bks={bks}", "--batch_size=1", "--no_progress"]) == 0
+    solved = {s["name"]: s for s in json.loads((out / "summary.json").read_text())["instances"]}
+    coords = {"cvrp": np.asarray(cvrp.locs, np.float64) * SCALE, "tw": np.asarray(tw.locs, np.float64) * SCALE}
+    coords["S20"] = coords["tw"]
+    for name, convention in (("cvrp", "nint"), ("tw", "dimacs"), ("S20", "dimacs")):
+        sol = vrplib.read_solution(str(out / f"{name}.sol"))
+        stated = _independent_cost(coords[name], sol["routes"], convention)
+        assert sol["cost"] == pytest.approx(stated, abs=1e-9), name
+        s = solved[name]
+        assert (s["cost_convention"], s["convention_cost"]) == (convention, sol["cost"]), name
+        exact = sum(math.dist(coords[name][a], coords[name][b]) for r in sol["routes"]
+                    for a, b in zip([0, *r], [*r, 0]))
+        assert s["cost"] == pytest.approx(exact, rel=1e-9) and s["cost"] != sol["cost"], name
+        assert s["gap"] == pytest.approx((stated - s["best_known"]) / s["best_known"] * 100, rel=1e-9), name
+
+
 # ----------------------------------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------------------------------
@@ -341,12 +432,13 @@ def test_the_command_solves_a_folder_writes_checked_sol_files_and_lists_the_bad(
         assert s["feasible"] and s["search"] == "greedy" and s["starts"] == 20
         sol = vrplib.read_solution(str(out / f"{name}.sol"))
         assert sol["routes"] == s["routes"]
-        assert sol["cost"] == pytest.approx(s["cost"], rel=1e-12)
+        assert sol["cost"] == pytest.approx(s["convention_cost"], rel=1e-12)     # the file's own convention
+        assert s["cost_convention"] == ("dimacs" if name in ("test", "S20") else "exact"), name
         served = sorted(c for r in sol["routes"] for c in r)
         assert served == list(range(1, N + 1)), name
         feasible, cost = _replay(problems_read[name], sol["routes"])
         assert feasible, name
-        assert cost == pytest.approx(sol["cost"], rel=1e-5), name
+        assert cost == pytest.approx(s["cost"], rel=1e-5), name
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "VRPBLTW" in captured.out and "checker" in captured.out      # the table
 

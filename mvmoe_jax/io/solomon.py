@@ -12,14 +12,15 @@ File layout (whitespace-separated, blank lines ignored, CRLF tolerated)::
         1      45         68         10        912        967         90
         ...
 
-``read_solomon`` returns a batch-of-one VRPTW ``Instance`` in the unit square, scaled by the reference
-implementation's rule: coordinates and every time value (ready time, due date, service time, the depot's
-due date) are divided by one factor, ``max(largest coordinate, depot due date / 3)``, with no offset. The
-environment's "travel time = distance" therefore still holds and every feasibility decision is the same as
-in the original units, while the depot's due date (its closing time ``tw_end[0]``) is at most 3, as in the
-generated training data. Type-2 instances, whose horizon is long, lie in a corner of the square instead
-(RC2: coordinates within [0, 0.32]); scaling them to the full square would put their horizon far beyond
-anything the policy was trained on (docs/results.md, "Solomon scaling").
+``read_solomon`` returns a batch-of-one VRPTW ``Instance`` in the unit square by the rule every reader of the
+package shares (``vrplib_io.unit_square_transform``), so the same data read from a Solomon file and from a
+VRPLIB file gives the same Instance: the per-axis minimum coordinate is subtracted, and coordinates and every
+time value (ready time, due date, service time, the depot's due date) are divided by one factor, ``max(largest
+extent, depot due date / 3)``. The environment's "travel time = distance" therefore still holds and every
+feasibility decision is the same as in the original units, while the depot's due date (its closing time
+``tw_end[0]``) is at most 3, as in the generated training data. Type-2 instances, whose horizon is long, lie in
+a corner of the square instead (RC2: coordinates within about [0, 0.32]); scaling them to the full square would
+put their horizon far beyond anything the policy was trained on (docs/results.md, "Solomon scaling").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from mvmoe_jax.checker import unreachable_customers
 from mvmoe_jax.instances import Instance, from_arrays
-from mvmoe_jax.io.vrplib_io import horizon_scale, require_file, to_unit_square, unit_square_transform
+from mvmoe_jax.io.vrplib_io import require_file, to_unit_square, unit_square_transform
 
 # Columns of the CUSTOMER table, in file order.
 COLUMNS = ("cust_no", "x", "y", "demand", "ready_time", "due_date", "service_time")
@@ -49,6 +50,10 @@ class SolomonMeta:
       scale:         multiply a unit-square cost (or time) by this to get the file's units. Costs are
                      unrounded Euclidean lengths.
       offset:        (x, y) subtracted from the raw coordinates before dividing by ``scale``.
+      coords:        float64 (n+1, 2): the file's coordinates, depot first (for costs in its units).
+      cost_convention: how the instance's best-known costs count an edge (``checker.COST_CONVENTIONS``):
+                     ``dimacs``, every edge truncated to one decimal, as CVRPLIB and the literature state
+                     Solomon's best-known values.
     """
 
     name: str
@@ -57,6 +62,8 @@ class SolomonMeta:
     capacity: float
     scale: float
     offset: tuple[float, float]
+    cost_convention: str = "dimacs"
+    coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def original_cost(self, unit_cost):
         """Unit-square cost(s) -> cost in the file's units."""
@@ -206,9 +213,7 @@ def read_solomon(path: str | os.PathLike, *, loc_scale: float | None = None) -> 
     _validate(raw, path)
 
     t = raw.table
-    if loc_scale is None:
-        loc_scale = max(float(t[:, 1:3].max()), horizon_scale(depot_close=t[0, 5]))
-    offset, scale = unit_square_transform(t[:, 1:3], source=path, loc_scale=loc_scale)
+    offset, scale = unit_square_transform(t[:, 1:3], source=path, loc_scale=loc_scale, depot_close=t[0, 5])
     xy = to_unit_square(t[:, 1:3], offset, scale)
     # Times share the coordinates' factor (no offset: time 0 stays the start), so time = distance holds.
     ready, due, service = t[:, 4] / scale, t[:, 5] / scale, t[:, 6] / scale
@@ -217,5 +222,6 @@ def read_solomon(path: str | os.PathLike, *, loc_scale: float | None = None) -> 
                        depot_close=due[0])
     _check_round_trips(inst, path)
     meta = SolomonMeta(name=raw.name, num_customers=t.shape[0] - 1, num_vehicles=raw.num_vehicles,
-                       capacity=raw.capacity, scale=scale, offset=(float(offset[0]), float(offset[1])))
+                       capacity=raw.capacity, scale=scale, offset=(float(offset[0]), float(offset[1])),
+                       coords=t[:, 1:3].copy())
     return inst, meta

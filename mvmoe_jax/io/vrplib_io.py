@@ -118,12 +118,12 @@ class VrplibMeta:
       capacity:      the raw vehicle capacity (demands in the Instance are divided by it).
       scale:         multiply a unit-square cost (or time, or route length) by this to get the file's units.
       offset:        (x, y) subtracted from the raw coordinates before dividing by ``scale``.
-      round_costs:   True: CVRPLIB's official objective (and so its BKS) rounds every edge length to
-                     the nearest integer (the EUC_2D convention). Costs computed on our Instance are
-                     UNROUNDED Euclidean lengths, and ``unit_cost * scale`` is the unrounded cost in file
-                     units: up to half a unit per edge away from the rounded objective, so gaps to the BKS
-                     computed from it are approximate. (The reference implementation's CVRPLIB
-                     evaluation, with a fixed ``loc_scale`` of 1000, rounds every edge instead.)
+      cost_convention: how the file's best-known costs count an edge (``checker.COST_CONVENTIONS``): ``nint``
+                     (every edge rounded to the nearest integer, CVRPLIB's EUC_2D objective) or, for a file with
+                     time windows, ``dimacs`` (every edge truncated to one decimal, how CVRPLIB states the
+                     Solomon and Gehring-Homberger VRPTW best-known values). Costs computed on the Instance
+                     are exact Euclidean lengths, ``unit_cost * scale`` in file units; ``checker.tours_cost``
+                     with this convention gives the cost comparable with a best-known value.
       variant:       the variant read off the file (see ``read_vrplib``), e.g. ``CVRP`` or ``OVRPBLTW``.
       backhaul_rule: the backhaul rule the instance is read under (``problems.BACKHAUL_RULES``): ``classic``
                      for a file with backhauls (VRPLIB's VRPB), unless stated otherwise; ``paper`` without.
@@ -136,7 +136,7 @@ class VrplibMeta:
     capacity: float
     scale: float
     offset: tuple[float, float]
-    round_costs: bool = True
+    cost_convention: str = "nint"
     variant: str = "CVRP"
     backhaul_rule: str = "paper"
     num_vehicles: int | None = None
@@ -202,6 +202,17 @@ def _check_fields(path: str) -> None:
     if unknown:
         raise ValueError(f"{path}: unknown section(s) {', '.join(s + '_SECTION' for s in unknown[:5])}; this "
                          f"reader understands {', '.join(s.upper() + '_SECTION' for s in SECTIONS)}")
+
+
+def _check_edge_weight_type(data: dict, path: str) -> None:
+    """Only EUC_2D: a ValueError naming the file's EDGE_WEIGHT_TYPE (and its EDGE_WEIGHT_FORMAT) otherwise."""
+    ewt = str(data.get("edge_weight_type", "")).strip().upper()
+    if ewt == "EUC_2D":
+        return
+    found = f"is {ewt!r}" if ewt else "is missing"
+    fmt = str(data.get("edge_weight_format", "")).strip().upper()
+    given = f" (EDGE_WEIGHT_FORMAT {fmt}: distances given, not coordinates)" if ewt == "EXPLICIT" and fmt else ""
+    raise ValueError(f"{path}: EDGE_WEIGHT_TYPE {found}{given}; only EUC_2D (Euclidean coordinates) is supported")
 
 
 def _stated_type(data: dict, path: str) -> problems.Variant | None:
@@ -286,8 +297,8 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None,
     TYPE. Returns (Instance with locs (1, n+1, 2) in [0, 1]^2, demand (1, n+1) = raw / capacity, pickups
     negative, times and the route limit divided by the same factor as the coordinates, meta). Coordinates
     are scaled as described in ``unit_square_transform`` (``loc_scale`` as there). Costs on the Instance are
-    unrounded Euclidean lengths; ``meta.scale`` converts them to file units, still unrounded (CVRPLIB's own
-    objective rounds each edge: see ``VrplibMeta.round_costs``).
+    exact Euclidean lengths; ``meta.scale`` converts them to file units, still exact (CVRPLIB's own
+    objective rounds or truncates each edge: see ``VrplibMeta.cost_convention``).
 
     Raises ValueError (naming the file) for a missing, empty or unreadable file, an unknown field or section,
     an edge weight type other than EUC_2D, a missing CAPACITY / NODE_COORD / DEMAND / DEPOT section, text or
@@ -300,13 +311,8 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None,
     data = _parse_vrplib(path)
     if not data:
         raise ValueError(f"{path}: empty file (no VRPLIB specification or section)")
+    _check_edge_weight_type(data, path)     # first: an EXPLICIT file's other fields follow from its type
     _check_fields(path)
-
-    ewt = str(data.get("edge_weight_type", "")).upper()
-    if ewt != "EUC_2D":
-        found = f"is {ewt!r}" if ewt else "is missing"
-        raise ValueError(f"{path}: EDGE_WEIGHT_TYPE {found}; only EUC_2D (Euclidean coordinates) is "
-                         "supported")
     for keys, label in ((("capacity",), "CAPACITY"), (("node_coord",), "NODE_COORD_SECTION"),
                         (("demand", "linehaul"), "DEMAND_SECTION (or LINEHAUL_SECTION)"),
                         (("depot",), "DEPOT_SECTION")):
@@ -425,8 +431,16 @@ def read_vrplib(path: str | os.PathLike, *, loc_scale: float | None = None,
     meta = VrplibMeta(name=str(data.get("name", os.path.splitext(os.path.basename(path))[0])),
                       num_customers=n_nodes - 1, capacity=capacity, scale=scale,
                       offset=(float(offset[0]), float(offset[1])), variant=var.name, backhaul_rule=rule,
-                      num_vehicles=int(vehicles) if isinstance(vehicles, (int, float)) else None, coords=coords)
+                      num_vehicles=int(vehicles) if isinstance(vehicles, (int, float)) else None, coords=coords,
+                      cost_convention=vrplib_cost_convention(has_time_windows=windows is not None))
     return inst, meta
+
+
+def vrplib_cost_convention(*, has_time_windows: bool) -> str:
+    """How a VRPLIB file's best-known costs count an edge (``checker.COST_CONVENTIONS``): ``dimacs`` (truncated to
+    one decimal) for a file with time windows, as CVRPLIB states its VRPTW sets (Solomon, Gehring-Homberger) and
+    PyVRP's files of them; else ``nint`` (rounded to the nearest integer, CVRPLIB's EUC_2D)."""
+    return "dimacs" if has_time_windows else "nint"
 
 
 def _nodes_1based(mask: np.ndarray, limit: int = 10) -> str:

@@ -53,13 +53,14 @@ class Solution:
       backhaul_rule: the backhaul rule solved under (``problems.BACKHAUL_RULES``; ``paper`` without backhauls
                     unless stated).
       routes:       one list of customers per route, numbered as in the input (see ``outputs``).
-      cost:         in the input's units under the environment's rules (unrounded Euclidean lengths; an open
+      cost:         in the input's units under the environment's rules (exact Euclidean lengths; an open
                     route ends at its last customer).
-      cost_rounded: the same routes with every edge rounded to an integer (CVRPLIB's convention), for VRPLIB
-                    inputs; else None.
-      greedy_cost:  greedy x8's cost in the same units (the search started from it; cost <= greedy_cost).
-      best_known, gap: a best-known cost and the gap to it in percent (from cost_rounded where the input
-                    rounds edges), or None.
+      cost_convention, convention_cost: how the input's best-known costs count an edge
+                    (``checker.COST_CONVENTIONS``: ``nint`` for CVRPLIB's EUC_2D files, ``dimacs`` for VRPLIB files
+                    with time windows and Solomon files, else ``exact``) and the same routes' cost under it (the
+                    ``.sol`` file's Cost).
+      greedy_cost:  greedy x8's exact cost in the same units (the search started from it; cost <= greedy_cost).
+      best_known, gap: a best-known cost and the gap to it in percent (from convention_cost), or None.
       feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
       violation:    the checker's finding when not feasible, else None.
       seconds:      the instance's share of its batch's search time (compilation excluded).
@@ -84,7 +85,7 @@ class Solution:
     num_customers: int
     routes: list[list[int]]
     cost: float
-    cost_rounded: float | None
+    convention_cost: float
     greedy_cost: float
     best_known: float | None
     gap: float | None
@@ -98,6 +99,7 @@ class Solution:
     samples: int | None = None
     depths: int | None = None
     backhaul_rule: str = "paper"
+    cost_convention: str = "exact"
     improve: str = "none"
     improve_seconds: float = 0.0
     searched_cost: float | None = None
@@ -175,12 +177,11 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
         violation = f"cost {cost:.7g} in the input's units but the checker's is {check.cost * p.scale:.7g}"
     if greedy_cost < cost:          # float rounding only: the search compared float32 costs
         searched, cost = greedy, greedy_cost
-    rounded = checker.tours_cost(p.coords, searched, is_open, rounded=True) if p.round_costs else None
-    compared = rounded if rounded is not None else cost
-    gap = None if p.best_known is None else (compared - p.best_known) / p.best_known * 100.0
+    stated = checker.tours_cost(p.coords, searched, is_open, convention=p.cost_convention)
+    gap = None if p.best_known is None else (stated - p.best_known) / p.best_known * 100.0
     return Solution(name=p.name, source=p.source, variant=p.variant, backhaul_rule=p.backhaul_rule,
-                    num_customers=p.num_customers, routes=searched,
-                    cost=cost, cost_rounded=rounded, greedy_cost=greedy_cost, best_known=p.best_known, gap=gap,
+                    num_customers=p.num_customers, routes=searched, cost=cost, cost_convention=p.cost_convention,
+                    convention_cost=stated, greedy_cost=greedy_cost, best_known=p.best_known, gap=gap,
                     feasible=violation is None, violation=violation, **fields)
 
 
@@ -269,7 +270,8 @@ def _write(output: str | None, plot: bool):
     def write(p: Problem, s: Solution) -> None:
         if output is None or not s.feasible:
             return
-        s.files["sol"] = outputs.write_sol(os.path.join(output, f"{p.name}.sol"), s.routes, s.cost)
+        s.files["sol"] = outputs.write_sol(os.path.join(output, f"{p.name}.sol"), s.routes, s.convention_cost,
+                                           convention=s.cost_convention, open_routes=bool(p.instance.is_open))
         if plot:
             from mvmoe_jax.solve.plot import plot_solution
             s.files["plot"] = plot_solution(os.path.join(output, f"{p.name}.png"), p, s)

@@ -1,5 +1,6 @@
 """Any input -> the problems to solve: files or folders of VRPLIB ``.vrp``, Solomon ``.txt``, the paper's
-``.pkl``, ``.npz`` batches and JSON (``mvmoe_jax.io.json_instances``).
+``.pkl``, ``.npz`` batches and JSON (``mvmoe_jax.io.json_instances``). VRPLIB and Solomon files are told apart by
+their content, whatever their extension (``io.formats.text_format``).
 
 Each instance becomes a ``Problem``: the unit-square Instance the model solves, and what maps its solution
 back to the file (names, the factor to the file's units, the file's coordinates). The variant is read off
@@ -22,6 +23,7 @@ from mvmoe_jax import checker, env, problems
 from mvmoe_jax.instances import Instance, stack, with_backhaul_rule
 from mvmoe_jax.io import (load_bks, load_npz, load_paper_instances, read_json_instances, read_solomon, read_vrplib,
                           safe_pickle, variant_from_filename)
+from mvmoe_jax.io.formats import SOLOMON, VRPLIB, text_format
 from mvmoe_jax.io.paper import expected_fields
 
 FORMATS = {".vrp": "VRPLIB", ".txt": "Solomon", ".pkl": "the paper's pickle", ".npz": "npz batch", ".json": "JSON"}
@@ -36,8 +38,10 @@ class Problem:
       instance:    the unbatched Instance (n customers, unit square) the model solves.
       scale:       unit-square lengths and times x scale = the file's units.
       coords:      float64 (n+1, 2), the file's coordinates, depot first.
-      round_costs: the file's convention rounds every edge to an integer (CVRPLIB, EUC_2D): reported beside
-                   the unrounded cost, and the one compared with a best-known value.
+      cost_convention: how the file's best-known costs count an edge (``checker.COST_CONVENTIONS``: ``exact``,
+                   ``nint`` for CVRPLIB's EUC_2D files, ``dimacs`` for VRPLIB files with time windows and
+                   Solomon files); the cost under it is reported beside the exact one and compared with a
+                   best-known value.
       best_known:  a best-known cost in the file's units, or None.
     """
 
@@ -46,7 +50,7 @@ class Problem:
     instance: Instance
     scale: float = 1.0
     coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
-    round_costs: bool = False
+    cost_convention: str = "exact"
     best_known: float | None = None
 
     @property
@@ -132,31 +136,44 @@ def read_file(path: str, *, num_instances: int | None = None, backhaul_rule: str
     return read
 
 
-def _read_file(path: str, num_instances: int | None, backhaul_rule: str | None) -> list[Problem]:
+BINARY_OR_JSON = (".json", ".npz", ".pkl")      # formats known by their extension alone
+
+
+def file_format(path: str) -> str:
+    """The format of the file at ``path``: for a text instance file ``VRPLIB`` or ``Solomon`` by its content,
+    else by its extension (``.vrp`` VRPLIB, ``.txt`` Solomon, where the content is too damaged to tell); a name of
+    ``FORMATS`` for the others. ValueError naming the file for an unknown one."""
     ext = os.path.splitext(path)[1].lower()
-    if ext == ".vrp":
+    found = None if ext in BINARY_OR_JSON else text_format(path)
+    found = found or FORMATS.get(ext)
+    if found is None:
+        raise ValueError(f"{path}: unknown format {ext or '(no suffix)'}; expected one of {', '.join(FORMATS)} "
+                         "(VRPLIB and Solomon files are recognised by their content under any name)")
+    return found
+
+
+def _read_file(path: str, num_instances: int | None, backhaul_rule: str | None) -> list[Problem]:
+    fmt = file_format(path)
+    if fmt == VRPLIB:
         inst, meta = read_vrplib(path, backhaul_rule=backhaul_rule)
-        return [Problem(meta.name, path, _single(inst), meta.scale, meta.coords, round_costs=meta.round_costs)]
-    if ext == ".txt":
+        return [Problem(meta.name, path, _single(inst), meta.scale, meta.coords,
+                        cost_convention=meta.cost_convention)]
+    if fmt == SOLOMON:
         inst, meta = read_solomon(path)
-        one = _single(inst)
-        coords = np.asarray(one.locs, np.float64) * meta.scale + np.asarray(meta.offset)
-        return [Problem(meta.name, path, one, meta.scale, coords)]
-    if ext == ".json":
+        return [Problem(meta.name, path, _single(inst), meta.scale, meta.coords, cost_convention=meta.cost_convention)]
+    if fmt == FORMATS[".json"]:
         read = read_json_instances(path, backhaul_rule=backhaul_rule)
         many = len(read) > 1
         return [Problem(meta.name, f"{path}#{i}" if many else path, _single(inst), meta.scale, meta.coords,
                         best_known=meta.best_known)
                 for i, (inst, meta) in enumerate(read[:num_instances])]
-    if ext == ".npz":
+    if fmt == FORMATS[".npz"]:
         return _batch_problems(load_npz(path), path, num_instances)
-    if ext == ".pkl":
-        try:
-            var = variant_from_filename(path)
-        except ValueError:
-            var = _pickle_variant(path)
-        return _batch_problems(load_paper_instances(path, var, num_instances=num_instances), path, None)
-    raise ValueError(f"{path}: unknown format {ext or '(no suffix)'}; expected one of {', '.join(FORMATS)}")
+    try:                                            # the paper's pickle
+        var = variant_from_filename(path)
+    except ValueError:
+        var = _pickle_variant(path)
+    return _batch_problems(load_paper_instances(path, var, num_instances=num_instances), path, None)
 
 
 def check_servable(read: list[Problem], path: str) -> list[Problem]:
@@ -172,7 +189,7 @@ def check_servable(read: list[Problem], path: str) -> list[Problem]:
         bad[timed] |= np.asarray(replay).any(axis=1)
     for i in np.flatnonzero(bad)[:1]:
         p = read[i]
-        node = (lambda k: f"node {k + 1}") if path.lower().endswith(".vrp") else (lambda k: f"customer {k}")
+        node = (lambda k: f"node {k + 1}") if file_format(path) == VRPLIB else (lambda k: f"customer {k}")
         reasons = checker.unservable_reasons(p.instance, scale=p.scale, node_name=node)
         where = p.source if len(read) > 1 else path
         raise ValueError(f"{where}: {len(reasons)} customer(s) that no route can serve: " + "; ".join(reasons[:5])

@@ -3,8 +3,11 @@ and the table printed at the end. Only solutions that passed the checker reach t
 
 ``.sol`` files list one route per line, ``Route #k: c1 c2 ...``, customers numbered as in the input: 1..n in
 the Instance's order (a VRPLIB file's node k + 1 is customer k; the depot, node 1, is 0 and not listed), then
-``Cost: <cost>`` in the file's units under the environment's rules (unrounded Euclidean lengths; an open
-route ends at its last customer).
+``Cost: <cost>`` in the file's units under the environment's rules (an open route ends at its last customer),
+each edge counted in the input's own convention (``checker.COST_CONVENTIONS``: rounded to an integer for
+CVRPLIB's EUC_2D files, truncated to one decimal for time-window VRPLIB files and Solomon files, exact
+otherwise), the convention of its best-known values. Comment lines (``#``, which VRPLIB readers skip) follow:
+the convention, and for open routes that each route ends at its last customer.
 
 ``--save_adapted=PATH`` (``write_adapted``) writes EAS's adapted parameters to one ``.npz`` file (plain arrays,
 read with ``numpy.load(PATH)``; no pickled objects). Per instance size n solved:
@@ -28,9 +31,20 @@ import numpy as np
 import vrplib
 
 
-def write_sol(path: str, routes: Sequence[Sequence[int]], cost: float) -> str:
-    """Write routes and cost in VRPLIB's solution format; returns ``path``."""
+CONVENTION_NOTES = {"exact": "Cost: exact Euclidean edge lengths",
+                    "nint": "Cost: every edge rounded to the nearest integer (CVRPLIB's EUC_2D convention)",
+                    "dimacs": "Cost: every edge truncated to one decimal (the DIMACS convention)"}
+OPEN_ROUTES_NOTE = "Open routes: each route ends at its last customer; Cost counts no return to the depot"
+
+
+def write_sol(path: str, routes: Sequence[Sequence[int]], cost: float, *, convention: str = "exact",
+              open_routes: bool = False) -> str:
+    """Write routes and cost in VRPLIB's solution format, then comment lines naming the cost ``convention``
+    (``CONVENTION_NOTES``) and, with ``open_routes``, that the routes are open; returns ``path``."""
     vrplib.write_solution(path, [list(map(int, r)) for r in routes], data={"Cost": repr(float(cost))})
+    notes = [CONVENTION_NOTES[convention]] + ([OPEN_ROUTES_NOTE] if open_routes else [])
+    with open(path, "a") as f:
+        f.writelines(f"# {note}\n" for note in notes)
     return path
 
 
@@ -70,9 +84,10 @@ def table(solutions, search: str) -> str:
     gaps = [s.gap for s in solutions if s.gap is not None]
     if gaps:
         lines.append(f"mean gap over {len(gaps)} instance(s) with a best-known value: {np.mean(gaps):.2f}%")
-    if any(s.gap is not None and s.cost_rounded is not None for s in solutions):
-        lines.append("(gaps of VRPLIB instances compare the cost with every edge rounded to an integer, CVRPLIB's "
-                     "convention; the cost column is unrounded)")
+    if any(s.gap is not None and s.cost_convention != "exact" for s in solutions):
+        lines.append("(gaps compare the cost in the input's own convention, the .sol file's: edges rounded to "
+                     "integers for CVRPLIB files, truncated to one decimal for time-window VRPLIB and Solomon files; "
+                     "the cost column is exact)")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from mvmoe_jax.solve.outputs import variant_label
 
+CONVENTION_WORDS = {"nint": "rounded edges", "dimacs": "edges truncated to 0.1"}
 TIGHT = 0.01          # a window or limit binds when less than this fraction of its scale is left
 
 
@@ -76,8 +77,8 @@ def plot_solution(path: str, problem, solution) -> str:
     ax.scatter(coords[:1, 0], coords[:1, 1], s=90, c="black", marker="s", label="depot", zorder=4)
     variant = variant_label(solution.variant, getattr(solution, "backhaul_rule", "paper"))
     title = f"{solution.name}: {variant}, n = {solution.num_customers}, cost {solution.cost:.6g}"
-    if solution.cost_rounded is not None:
-        title += f" ({solution.cost_rounded:.6g} with rounded edges)"
+    if solution.cost_convention != "exact":
+        title += f" ({solution.convention_cost:.6g} with {CONVENTION_WORDS[solution.cost_convention]})"
     if solution.best_known is not None:
         title += f"\ngap {solution.gap:+.2f}% to the best known {solution.best_known:.6g}"
     ax.set_title(title, fontsize=10)
