@@ -23,7 +23,7 @@ import vrplib
 from mvmoe_jax import checker, execution, instances, rollout, shipped
 from mvmoe_jax.io import read_vrplib, save_npz
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
-from mvmoe_jax.solve import api, inputs, models, search
+from mvmoe_jax.solve import api, inputs, models, outputs, search
 from mvmoe_jax.solve.__main__ import main
 
 from conftest import REPO_ROOT, require_shared
@@ -440,6 +440,8 @@ def test_the_command_solves_a_folder_writes_checked_sol_files_and_lists_the_bad(
         assert feasible, name
         assert cost == pytest.approx(s["cost"], rel=1e-5), name
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        open_note = "# " + outputs.OPEN_ROUTES_NOTE in (out / f"{name}.sol").read_text().splitlines()
+        assert open_note == solved[name]["variant"].startswith("O"), name
     assert "VRPBLTW" in captured.out and "checker" in captured.out      # the table
 
 
@@ -458,6 +460,84 @@ def test_nothing_is_written_for_a_route_the_checker_refuses(tmp_path, shipped_sm
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     entry = summary["instances"][0]
     assert entry["feasible"] is False and entry["files"] == {} and entry["routes"] is None
+
+
+def test_costs_below_a_best_known_value_and_a_file_cut_short_are_warned(tmp_path, shipped_small, capsys):
+    """A Solomon file cut short (4 customers named C101, 100 customers in Solomon's set): C101's best-known value
+    is not used, and the warning says why; a cost below a stated best-known value is warned with both values."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write(folder / "c101.txt", solomon_text(TW_COORDS, TW_DEMAND, TW_WINDOWS, TW_SERVICE, name="C101"))
+    write(folder / "t5.txt", solomon_text(TW_COORDS, TW_DEMAND, TW_WINDOWS, TW_SERVICE, name="T5"))
+    bks = write(tmp_path / "bks.json", json.dumps({"Set-Solomon": {"C101": 827.3, "T5": 5000.0}}))
+    out = tmp_path / "out"
+    assert main([str(folder), f"--output={out}", f"--bks={bks}", "--no_progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    summary = json.loads((out / "summary.json").read_text())
+    solved = {s["name"]: s for s in summary["instances"]}
+    assert solved["C101"]["best_known"] is None and solved["C101"]["gap"] is None
+    cut = [line for line in err if line.startswith("warning: C101:")]
+    assert len(cut) == 1 and "827.3" in cut[0] and "4 customers" in cut[0] and "100 customers" in cut[0]
+    t5 = solved["T5"]
+    assert t5["gap"] < 0
+    below = [line for line in err if line.startswith("warning: T5:")]
+    assert below == [f"warning: T5: cost {t5['convention_cost']:.6g} is below the best-known value 5000 "
+                     f"({t5['gap']:+.2f} %); check that the file is complete and the value is this instance's"]
+    assert summary["warnings"] == [line.removeprefix("warning: ") for line in cut + below]
+
+
+def test_an_output_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    path = write(tmp_path / "one.json", json.dumps({"capacity": 5, "depot": [0, 0], "customers": [[3, 4]],
+                                                    "demand": [1]}))
+    taken = write(tmp_path / "taken", "a file\n")
+    for output, where in ((taken, "is a file"), (taken / "below", f"is below the file {taken}")):
+        assert main([str(path), f"--output={output}", "--no_progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"error: --output {output} {where}; give a folder for the .sol files and "
+                                    "summary.json"]
+    assert taken.read_text() == "a file\n"
+
+
+def test_compilation_is_reported_apart_and_a_search_without_rounds_is_warned(tmp_path, shipped_small, capsys):
+    """A time limit that leaves no room for a sampling round after greedy: the run says so in one line, and the
+    compilation time (not counted in the limit) is reported apart from the search's. Informational lines come
+    as soon as known, the progress names what runs, and the last line counts the PNGs."""
+    path = tmp_path / "eight.json"
+    path.write_text(json.dumps([json_from_instance(jax.tree.map(lambda x: x[i], generated("CVRP", 8, seed=10)))
+                                for i in range(8)]))
+    out, lines = tmp_path / "out", []
+    report = api.solve(path, search="sampling", time_limit=1e-6, samples=2, output=str(out), log=lines.append,
+                       progress=True)
+    assert lines[0] == "n = 20: model small_n20" and lines[1].startswith("n=20 greedy: all 20 POMO starts")
+    assert "compiling" in capsys.readouterr().err or report.compile_seconds == 0     # the bar names the stage
+    assert [s.rounds for s in report.solutions] == [0] * 8
+    assert len(report.warnings) == 1 and report.warnings[0].startswith(
+        "--search=sampling ran 0 rounds on 8 instance(s) (eight-0, eight-1, eight-2, ...): --time_limit=1e-06 s per "
+        "instance left no room for one after greedy x8")
+    assert f"compilation ({report.compile_seconds:.1f} s) is not counted in the limit" in report.warnings[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["search_seconds"] == pytest.approx(sum(s["seconds"] for s in summary["instances"]))
+    assert summary["compile_seconds"] == pytest.approx(sum(s["compile_seconds"] for s in summary["instances"]))
+    assert summary["warnings"] == report.warnings
+    # The command: the warning on stderr, the last line with search and compilation apart and the PNGs counted.
+    assert main([str(path), f"--output={out}", "--search=sampling", "--time_limit=1e-6", "--samples=2", "--plot",
+                 "--no_progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("warning: --search=sampling ran 0 rounds on 8 instance(s)") == 1
+    last = captured.out.strip().splitlines()[-1]
+    assert " s (search " in last and "compilation" in last and last.endswith(
+        f"wrote 8 .sol file(s), 8 PNG file(s) and {out / 'summary.json'}")
+
+
+def test_an_open_route_sol_says_so_in_a_comment_that_vrplib_readers_skip(tmp_path):
+    path = outputs.write_sol(str(tmp_path / "o.sol"), [[3, 1], [2]], 41.5, convention="nint", open_routes=True)
+    lines = (tmp_path / "o.sol").read_text().splitlines()
+    assert lines == ["Route #1: 3 1", "Route #2: 2", "Cost: 41.5", "# " + outputs.CONVENTION_NOTES["nint"],
+                     "# " + outputs.OPEN_ROUTES_NOTE]
+    assert vrplib.read_solution(path) == {"routes": [[3, 1], [2]], "cost": 41.5}
+    pyvrp = pytest.importorskip("pyvrp")
+    data = pyvrp.read(str(write(tmp_path / "o.vrp", vrp_text(SQUARE, OK_DEMAND))))
+    assert [r.visits() for r in pyvrp.read_solution(path, data).routes()] == [[3, 1], [2]]
 
 
 def test_without_a_checkpoint_the_command_uses_the_installed_shipped_model_or_says_what_is_required(tmp_path):
@@ -622,6 +702,6 @@ def test_a_cvrplib_instance_five_times_the_training_size_solves_with_fewer_start
     xy = vrplib.read_instance(str(path))["node_coord"]
     sol = vrplib.read_solution(str(tmp_path / "X-n101-k25.sol"))
     rounded = sum(math.floor(math.dist(xy[a], xy[b]) + 0.5) for r in sol["routes"] for a, b in zip([0, *r], [*r, 0]))
-    assert s.cost_rounded == pytest.approx(rounded, abs=1e-6)
+    assert s.cost_convention == "nint" and s.convention_cost == pytest.approx(rounded, abs=1e-6)
     assert s.gap == pytest.approx((rounded - 27591) / 27591 * 100)
-    assert sol["cost"] == pytest.approx(s.cost, rel=1e-12) and abs(s.cost - rounded) < 0.5 * 150
+    assert sol["cost"] == pytest.approx(rounded, abs=1e-6) and abs(s.cost - rounded) < 0.5 * 150

@@ -95,6 +95,24 @@ def _local_search_line(solutions) -> str:
             f"average, {sum(s.improve_seconds for s in done) / len(done):.2f} s per instance")
 
 
+def _say(line: str) -> None:
+    """Print an informational line on stdout at once, above a progress bar that may be drawn (on stderr)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _written_line(report) -> str:
+    """The last line: instances, time (search and compilation apart) and what was written."""
+    sols = sum("sol" in s.files for s in report.solutions)
+    pngs = sum("plot" in s.files for s in report.solutions)
+    plots = f", {pngs} PNG file(s)" if pngs else ""
+    return (f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s (search {report.search_seconds:.1f} s, "
+            f"compilation {report.compile_seconds:.1f} s, not counted in --time_limit); wrote {sols} .sol file(s)"
+            f"{plots} and {report.summary_file}")
+
+
 def main(argv=None, *, setup_process: bool = False) -> int:
     """Run the command on ``argv`` (default ``sys.argv[1:]``); returns the exit status. ``setup_process``: first
     the plan's huge pages (the process is started again with them) and a CPU's cores as devices, which must
@@ -116,33 +134,26 @@ def main(argv=None, *, setup_process: bool = False) -> int:
                            progress=not args.no_progress, execution=plan, eas_learning_rate=args.eas_learning_rate,
                            eas_imitation_weight=args.eas_imitation_weight, save_adapted=args.save_adapted,
                            improve=args.improve, beam_width=args.beam_width, expansion=args.expansion,
-                           distance_bias=args.distance_bias, candidates=args.candidates)
+                           distance_bias=args.distance_bias, candidates=args.candidates, log=_say)
     except api.NothingToSolveError as e:
         for r in e.refused:
             print(f"refused: {r.error}", file=sys.stderr)
         print("error: no instance could be read", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    for size, name in report.models.items():
-        print(f"n = {size}: model {name}")
-    for name, options in report.decoding.items():
-        if any(options.values()):
-            print(f"{name} decodes with " + ", ".join(f"{k} {v}" for k, v in options.items()))
-    for what, decode_plan in report.plans.items():
-        print(f"{what}: {decode_plan}")
-    print(report.table())
+    print(report.table(), flush=True)
     if report.improve == "ls":
-        print(_local_search_line(report.solutions))
+        print(_local_search_line(report.solutions), flush=True)
     failed = [s for s in report.solutions if not s.feasible]
     for s in failed:
         print(f"error: {s.name}: the route fails the checker ({s.violation}); nothing written for it", file=sys.stderr)
     for r in report.refused:
         print(f"refused: {r.error}", file=sys.stderr)
-    written = sum("sol" in s.files for s in report.solutions)
-    print(f"{len(report.solutions)} instance(s) in {report.seconds:.1f} s "
-          f"(compilation {report.compile_seconds:.1f} s); wrote {written} .sol file(s) and {report.summary_file}")
+    for w in report.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(_written_line(report))
     if report.adapted_file is not None:
         print(f"adapted embeddings: {report.adapted_file}")
     return 1 if failed or report.refused else 0

@@ -63,7 +63,9 @@ class Solution:
       best_known, gap: a best-known cost and the gap to it in percent (from convention_cost), or None.
       feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
       violation:    the checker's finding when not feasible, else None.
-      seconds:      the instance's share of its batch's search time (compilation excluded).
+      seconds:      the instance's share of its batch's search time (compilation excluded); greedy_seconds
+                    greedy x8's part of it; compile_seconds its share of the compilation its batch waited for
+                    (not counted in a time limit).
       starts:       POMO starts decoded; search, rounds (sampling rounds, EAS iterations, SGBS passes or
                     SGBS + EAS rounds run), model (the checkpoint).
       samples:      sampling: rollouts per start and copy in each round (fewer than asked where a round of
@@ -100,6 +102,8 @@ class Solution:
     depths: int | None = None
     backhaul_rule: str = "paper"
     cost_convention: str = "exact"
+    greedy_seconds: float = 0.0
+    compile_seconds: float = 0.0
     improve: str = "none"
     improve_seconds: float = 0.0
     searched_cost: float | None = None
@@ -118,7 +122,9 @@ class Solution:
 class SolveReport:
     """A run: its solutions (input order), the inputs refused, and how it ran. ``plans``: per size and
     program, the decoding plan (starts and chunks, ``search.DecodePlan``); ``models``: the checkpoint used per
-    size; seconds: the whole run's wall time; compile_seconds: compilation within it; summary_file and
+    size; seconds: the whole run's wall time; compile_seconds: compilation within it (search_seconds: the
+    search's, which time limits count); warnings: one line each (a cost below a best-known value, a best-known
+    value left out, a search that ran no round: ``outputs``); summary_file and
     adapted_file: what was written (``outputs.write_adapted``); decoding: per checkpoint, the distance-aware
     decoding options it decoded with ({"distance_bias": alpha, "candidates": k}, ``nn/locality.py``)."""
 
@@ -135,6 +141,11 @@ class SolveReport:
     adapted_file: str | None = None
     improve: str = "none"
     decoding: dict = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def search_seconds(self) -> float:
+        return sum(s.seconds for s in self.solutions)
 
     def table(self) -> str:
         return outputs.table(self.solutions, self.search)
@@ -143,7 +154,8 @@ class SolveReport:
         return {"search": self.search, "improve": self.improve, "settings": dataclasses.asdict(self.settings), "seed": self.seed,
                 "models": {str(n): m for n, m in self.models.items()}, "plans": self.plans,
                 "device": str(jax.local_devices()[0].device_kind), "num_devices": len(jax.local_devices()),
-                "seconds": self.seconds, "compile_seconds": self.compile_seconds,
+                "seconds": self.seconds, "search_seconds": self.search_seconds,
+                "compile_seconds": self.compile_seconds, "warnings": self.warnings,
                 "adapted_file": self.adapted_file, "decoding": self.decoding,
                 "instances": [s.to_json() for s in self.solutions],
                 "refused": [dataclasses.asdict(r) for r in self.refused]}
@@ -189,13 +201,15 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                    search: str = "greedy", settings: Settings = Settings(), seed: int = 0,
                    batch_size: int | None = None, progress: bool = False,
                    on_solution: Callable[[Problem, Solution], None] | None = None,
-                   execution: ExecutionPlan | None = None, keep_adapted: bool = False, improve: str = "none"
+                   execution: ExecutionPlan | None = None, keep_adapted: bool = False, improve: str = "none",
+                   on_plan: Callable[[str, str], None] | None = None
                    ) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
     each is found. ``execution``: the execution plan (None: the default backend's preset). ``keep_adapted``:
     each Solution keeps EAS's adapted embeddings (``search="eas"`` only). ``improve``: ``ls`` runs the local search
-    on each searched solution (``IMPROVERS``)."""
+    on each searched solution (``IMPROVERS``). ``progress``: a bar over the instances that names each batch's stage
+    (compiling, greedy, the search's rounds). ``on_plan(what, plan)`` is called with each new decoding plan."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
     _check_improve(improve)
@@ -205,19 +219,25 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
     plans, compile_s, decoders = {}, 0.0, {}
     base = jax.random.key(seed)
     bar = tqdm(total=len(problems), desc=search, unit="instance", disable=not progress, leave=False)
-    for b, idx in enumerate(_groups(problems, batch_size)):
+    groups = _groups(problems, batch_size)
+    for b, idx in enumerate(groups):
         group = [problems[i] for i in idx]
         n = group[0].num_customers
         name, cfg, params = model_for(n)
         if name not in decoders:
             decoders[name] = Decoder(cfg, params, settings, execution)
+        where = f"n={n}" + (f", batch {b + 1} of {len(groups)}" if len(groups) > 1 else "")
+        decoders[name].on_stage = lambda stage, where=where: bar.set_postfix_str(f"{where}: {stage}")
         size = batch_size or max(1, min(64, 3200 // n))
         size = min(size, len([p for p in problems if p.num_customers == n]))
         batch = stack([p.instance for p in group] + [group[0].instance] * (size - len(group)))
         res = SEARCHES[search](decoders[name], batch, jax.random.fold_in(base, b), len(group))
         compile_s += res.compile_seconds
         for kind, plan in res.plans.items():
-            plans[f"n={n} {kind}"] = plan.describe()
+            what, described = f"n={n} {kind}", plan.describe()
+            if on_plan is not None and plans.get(what) != described:
+                on_plan(what, described)
+            plans[what] = described
         real = take(batch, np.arange(len(group)))
         searched = [checker.actions_to_route(a) for a in res.actions[:len(group)]]
         routes, costs, improve_s = searched, [float(c) for c in res.cost[:len(group)]], [0.0] * len(group)
@@ -228,7 +248,8 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
             searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
             out[i] = _solution(p, routes[j], res.greedy_actions[j], checks[j], costs[j],
                                improve=improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
-                               seconds=res.seconds / len(group), starts=res.plans["greedy"].starts, search=search,
+                               seconds=res.seconds / len(group), greedy_seconds=res.greedy_seconds / len(group),
+                               compile_seconds=res.compile_seconds / len(group), starts=res.plans["greedy"].starts, search=search,
                                rounds=res.rounds, model=name, samples=res.samples,
                                depths=None if res.depths is None else int(res.depths[j]),
                                adapted=res.adapted[j] if keep_adapted else None)
@@ -278,6 +299,27 @@ def _write(output: str | None, plot: bool):
     return write
 
 
+def check_output_folder(output: str | None) -> None:
+    """A ValueError naming ``--output`` when it cannot be the folder of the results: an existing file, or a
+    path below one."""
+    if output is None:
+        return
+    path = os.path.abspath(output)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is a file" if path == os.path.abspath(output) else f"is below the file {path}"
+        raise ValueError(f"--output {output} {where}; give a folder for the .sol files and {SUMMARY_FILE}")
+
+
+def _model_lines(names: dict[int, str], decoding: dict[str, dict]) -> list[str]:
+    """The lines that say which checkpoint solves each size and with which decoding options."""
+    lines = [f"n = {size}: model {name}" for size, name in names.items()]
+    lines += [f"{name} decodes with " + ", ".join(f"{k} {v}" for k, v in options.items())
+              for name, options in decoding.items() if any(options.values())]
+    return lines
+
+
 def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time_limit: float | None = None,
           rounds: int | None = None, samples: int = 8, max_starts: int | None = None, seed: int = 0,
           problem: str | None = None, num_instances: int | None = None, bks: str | None = None,
@@ -287,7 +329,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
           save_adapted: str | None = None, improve: str = "none", beam_width: int = sgbs.BEAM_WIDTH,
           expansion: int = sgbs.EXPANSION, distance_bias: float | None = None,
-          candidates: int | None = None) -> SolveReport:
+          candidates: int | None = None, log: Callable[[str], None] | None = None) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
 
     checkpoint: a shipped model's name or a checkpoint path (``checkpoints.load_policy``); None: per size, the
@@ -301,7 +343,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     instance (and with ``plot`` a PNG) and ``summary.json``; None writes nothing. execution: the execution plan
     (None: the default backend's preset; results do not depend on it). distance_bias, candidates: the
     distance-aware decoding options (``PolicyConfig`` fields, ``nn/locality.py``; 0: off) for every model;
-    None: each model's own (off for the shipped ones).
+    None: each model's own (off for the shipped ones). log: called with a line as soon as it is known (the model
+    for each size, decoding options, each program's decoding plan), before the solving it describes ends.
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
     none is left; CheckpointRequiredError (a ValueError) when no checkpoint is given and none ships.
@@ -316,6 +359,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     if save_adapted is not None and search != "eas":
         raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
     _check_improve(improve)
+    check_output_folder(output)
+    log = log or (lambda line: None)
     settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
                         memory_budget=memory_budget, eas_learning_rate=eas_learning_rate,
                         eas_imitation_weight=eas_imitation_weight, beam_width=beam_width, expansion=expansion)
@@ -338,18 +383,24 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     def model_for(n):
         return names[n], configs[names[n]], models.load(names[n])[1]
 
+    decoding = {name: {"distance_bias": cfg.distance_bias, "candidates": cfg.candidates}
+                for name, cfg in configs.items()}
+    for line in _model_lines(names, decoding):
+        log(line)
     if output is not None:
         os.makedirs(output, exist_ok=True)
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
                                                      batch_size=batch_size, progress=progress,
                                                      on_solution=_write(output, plot), execution=execution,
-                                                     keep_adapted=save_adapted is not None, improve=improve)
+                                                     keep_adapted=save_adapted is not None, improve=improve,
+                                                     on_plan=lambda what, plan: log(f"{what}: {plan}"))
+    warnings = [f"{p.name}: {note}" for p in problems for note in p.notes]
+    warnings += outputs.below_best_known_warnings(solutions)
+    warnings += outputs.idle_search_warning(solutions, search, time_limit, compile_s)
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
-                         improve=improve,
-                         models=names, plans=plans, compile_seconds=compile_s, seconds=0.0,
-                         decoding={name: {"distance_bias": cfg.distance_bias, "candidates": cfg.candidates}
-                                   for name, cfg in configs.items()})
+                         improve=improve, models=names, plans=plans, compile_seconds=compile_s, seconds=0.0,
+                         decoding=decoding, warnings=warnings)
     if save_adapted is not None:
         report.adapted_file = outputs.write_adapted(save_adapted, solutions)
     report.seconds = time.perf_counter() - t_start

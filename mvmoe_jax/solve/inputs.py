@@ -43,6 +43,8 @@ class Problem:
                    Solomon files); the cost under it is reported beside the exact one and compared with a
                    best-known value.
       best_known:  a best-known cost in the file's units, or None.
+      notes:       what the reading found worth a warning (one line each, without the name), e.g. a best-known
+                   value left out because the instance is not the size its name stands for.
     """
 
     name: str
@@ -52,6 +54,7 @@ class Problem:
     coords: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     cost_convention: str = "exact"
     best_known: float | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def num_customers(self) -> int:
@@ -228,6 +231,36 @@ def collect_files(paths) -> tuple[list[str], list[Refused]]:
     return files, refused
 
 
+# Benchmark names that fix the number of customers: (pattern, customers from the match, what the name stands for).
+STANDARD_SIZES = (
+    (re.compile(r"(C|R|RC)[12]\d\d", re.IGNORECASE), lambda m: 100, "Solomon instances have 100 customers"),
+    (re.compile(r"(C|R|RC)[12]_(\d+)_\d+", re.IGNORECASE), lambda m: 100 * int(m.group(2)),
+     "Gehring-Homberger names give the customers in hundreds"),
+    (re.compile(r"[A-Z]+-n(\d+)-k\d+", re.IGNORECASE), lambda m: int(m.group(1)) - 1,
+     "CVRPLIB names give the nodes, depot included"),
+)
+
+
+def standard_size(name: str) -> tuple[int, str] | None:
+    """(customers, why) when ``name`` is a benchmark name that fixes them (``STANDARD_SIZES``), else None."""
+    for pattern, customers, why in STANDARD_SIZES:
+        m = pattern.fullmatch(name)
+        if m:
+            return customers(m), why
+    return None
+
+
+def _table_best_known(p: Problem, table: dict[str, float]) -> tuple[float | None, tuple[str, ...]]:
+    """The best-known value of ``p`` from a table looked up by its name, and notes: none is taken when the name
+    stands for another number of customers (a file cut short, or a smaller version of the instance)."""
+    best = table.get(p.name)
+    standard = standard_size(p.name)
+    if best is None or standard is None or standard[0] == p.num_customers:
+        return best, ()
+    return None, (f"the best-known value {best:g} of {p.name} is not used: the file has {p.num_customers} customers "
+                  f"but {standard[1]} ({standard[0]} here); is the file cut short?",)
+
+
 def _safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "instance"
 
@@ -258,6 +291,6 @@ def read_inputs(paths, *, problem: str | None = None, num_instances: int | None 
                 k += 1
                 name = f"{_safe_name(p.name)}-{k}"
             used.add(name)
-            best = p.best_known if p.best_known is not None else table.get(p.name)
-            out.append(dataclasses.replace(p, name=name, best_known=best))
+            best, notes = (p.best_known, ()) if p.best_known is not None else _table_best_known(p, table)
+            out.append(dataclasses.replace(p, name=name, best_known=best, notes=p.notes + notes))
     return out, refused

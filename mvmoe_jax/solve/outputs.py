@@ -91,6 +91,33 @@ def table(solutions, search: str) -> str:
     return "\n".join(lines)
 
 
+# Rounds of each search as the reports name them.
+ROUND_WORDS = {"sampling": "rounds", "eas": "iterations", "sgbs": "passes", "sgbs_eas": "rounds"}
+
+
+def below_best_known_warnings(solutions) -> list[str]:
+    """One line per solution whose cost (in its convention) is below its best-known value: a file cut short, or
+    a best-known value of another instance or convention, far more often than a new best."""
+    return [f"{s.name}: cost {s.convention_cost:.6g} is below the best-known value {s.best_known:.6g} "
+            f"({s.gap:+.2f} %); check that the file is complete and the value is this instance's"
+            for s in solutions if s.gap is not None and s.convention_cost < s.best_known * (1 - 1e-9)]
+
+
+def idle_search_warning(solutions, search: str, time_limit: float | None, compile_seconds: float) -> list[str]:
+    """One line when ``search`` (not greedy) ran no round on some instances: the time limit (per instance, which
+    compilation is not counted in) left no room for one after greedy x8."""
+    idle = [s for s in solutions if search in ROUND_WORDS and s.rounds == 0]
+    if not idle:
+        return []
+    greedy = sum(s.greedy_seconds for s in idle) / len(idle)
+    why = (f"--time_limit={time_limit:g} s per instance left no room for one after greedy x8 ({greedy:.2f} s per "
+           f"instance); compilation ({compile_seconds:.1f} s) is not counted in the limit"
+           if time_limit is not None else "--rounds allowed none")
+    names = ", ".join(s.name for s in idle[:3]) + (", ..." if len(idle) > 3 else "")
+    return [f"--search={search} ran 0 {ROUND_WORDS[search]} on {len(idle)} instance(s) ({names}): {why}; "
+            "raise --time_limit or give --rounds"]
+
+
 COPIES = ("(x, y)", "(1-x, y)", "(x, 1-y)", "(1-x, 1-y)", "(y, x)", "(1-y, x)", "(y, 1-x)", "(1-y, 1-x)")
 
 

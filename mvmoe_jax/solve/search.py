@@ -124,7 +124,7 @@ class BatchResult:
     """Per instance of the batch (B): cost float32 (B,) of the best route found (unit square), actions int32
     (B, T) its decoded actions, greedy_cost (B,) and greedy_actions (B, T) greedy x8's; rounds: sampling rounds,
     EAS iterations, SGBS passes or SGBS + EAS rounds run; samples: sampled rollouts per start and copy in each
-    sampling round (sampling only); depths: int (B,) each instance's beam-search depths over all passes, those
+    sampling round (sampling only); greedy_seconds: greedy x8's share of ``seconds``; depths: int (B,) each instance's beam-search depths over all passes, those
     until its beam had finished (SGBS searches only);
     seconds: the batch's wall time without compilation; compile_seconds; plans: the
     DecodePlan of each program used; adapted: EAS's adapted node embeddings of the first ``real`` instances,
@@ -141,6 +141,7 @@ class BatchResult:
     samples: int | None = None
     depths: np.ndarray | None = None
     adapted: np.ndarray | None = None
+    greedy_seconds: float = 0.0
 
 
 def memory_budget_bytes() -> int:
@@ -271,6 +272,7 @@ class Decoder:
         self.num_devices = len(jax.local_devices())
         self.params = rollout.replicated(params)
         self.budget = settings.memory_budget or memory_budget_bytes()
+        self.on_stage: Callable[[str], None] = lambda stage: None    # told what the search is doing (progress)
 
     def starts(self, n: int) -> int:
         return n if self.settings.max_starts is None else min(n, self.settings.max_starts)
@@ -280,6 +282,7 @@ class Decoder:
         key = (self.cfg, self.execution, self.num_devices, jax.config.jax_default_matmul_precision) + key
         if key in _COMPILED and _COMPILED[key][1].memory_bytes <= self.budget:
             return _COMPILED[key] + (0.0,)
+        self.on_stage(f"compiling {key[4]}")
         t0 = time.perf_counter()
         _COMPILED[key] = build()
         return _COMPILED[key] + (time.perf_counter() - t0,)
@@ -388,6 +391,7 @@ class SgbsPrograms:
 def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 from every start (within the memory plan)."""
     compiled, decode_plan, compile_s = decoder.greedy_program(batch)
+    decoder.on_stage(f"greedy x8, {decode_plan.chunk} of {decode_plan.rows} copies at a time")
     t0 = time.perf_counter()
     res = jax.device_get(compiled(decoder.params, batch, key))
     seconds = time.perf_counter() - t0
@@ -395,7 +399,8 @@ def greedy_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) 
         raise RuntimeError("some greedy rollouts did not finish within 2n steps")
     obj, actions = np.asarray(res.obj), np.asarray(res.best_actions)
     return BatchResult(cost=obj, actions=actions, greedy_cost=obj.copy(), greedy_actions=actions.copy(), rounds=0,
-                       seconds=seconds, compile_seconds=compile_s, plans={"greedy": decode_plan})
+                       seconds=seconds, compile_seconds=compile_s, plans={"greedy": decode_plan},
+                       greedy_seconds=seconds)
 
 
 def _run_rounds(result: BatchResult, settings: Settings, real: int, default_rounds: int, first_estimate: float,
@@ -448,6 +453,7 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     round_key = jax.random.fold_in(key, 1)
 
     def sampling_round(r: int) -> None:
+        decoder.on_stage(f"sampling round {r + 1}")
         k = rollout.replicated(jax.random.fold_in(round_key, r), decoder.num_devices)
         cost, actions = jax.device_get(compiled(params, batch, k))
         better = np.asarray(cost) < result.cost
@@ -481,6 +487,7 @@ def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> 
 
     def eas_iteration(r: int) -> None:
         nonlocal state
+        decoder.on_stage(f"eas iteration {r + 1}")
         k = rollout.replicated(jax.random.fold_in(round_key, r), decoder.num_devices)
         state = jax.block_until_ready(iteration(decoder.params, copies, state, k))
 
@@ -574,6 +581,7 @@ def sgbs_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) ->
             break
         pass_key = put(jax.random.fold_in(jax.random.fold_in(key, 2), result.rounds))
         result.rounds += 1
+        decoder.on_stage(f"sgbs pass {result.rounds}")
         incumbent, first_depth = _sgbs_pass(decoder, programs, copies, emb, first, incumbent, offset, pass_key,
                                             result, real, estimate)
         estimate = first_depth or estimate
@@ -604,6 +612,7 @@ def sgbs_eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
         if budget is not None and result.seconds + iteration_s + rollouts_s + estimate > budget:
             break
         r, t0 = result.rounds, result.seconds
+        decoder.on_stage(f"sgbs_eas round {r + 1}")
         state = _timed(result, lambda: iteration(decoder.params, copies, state,
                                                  put(jax.random.fold_in(jax.random.fold_in(key, 1), r))))
         iteration_s, t0 = result.seconds - t0, result.seconds
