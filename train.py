@@ -56,6 +56,8 @@ def main(argv):
     try:
         training_loop.prepare_process(config)          # before JAX starts: huge pages, CPU cores as devices
         training_loop.train_and_evaluate(config)
+        if distributed.is_main():
+            print("\n".join(training_loop.next_steps(config)), flush=True)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

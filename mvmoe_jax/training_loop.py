@@ -354,6 +354,30 @@ def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> No
 # The loop
 # ----------------------------------------------------------------------------------------------------
 
+PAPER_SIZES = (50, 100)           # the sizes of the paper's test sets
+
+
+def next_steps(config, paper_data: str | None = None) -> list[str]:
+    """Where a finished run's results are and the commands that use its checkpoint: evaluation on the paper's test
+    sets of the size nearest the run's (``paper_data``: their folder; default ``../shared/data/mvmoe-paper`` beside
+    the repository when it exists) and solving instances with it."""
+    workdir = os.path.abspath(config.workdir)
+    if paper_data is None:
+        beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir, "shared",
+                              "data", "mvmoe-paper")
+        paper_data = os.path.normpath(beside) if os.path.isdir(beside) else "PAPER_DATA_DIR"
+    size = min(PAPER_SIZES, key=lambda s: abs(s - int(config.problem_size)))
+    example = os.path.join(paper_data, "CVRP-LIB", "X-n101-k25.vrp")
+    instances = example if os.path.isfile(example) else "my_instances/"
+    return [f"checkpoint: {os.path.join(workdir, CHECKPOINT_DIR)}",
+            f"metrics:    {os.path.join(workdir, METRICS_FILE)}",
+            f"plot:       {os.path.join(workdir, PLOT_FILE)}",
+            "next:",
+            f"  python evaluate.py --checkpoint={workdir} --problems=TRAIN --data_dir={paper_data} --size={size} "
+            "--num_instances=100",
+            f"  python -m mvmoe_jax.solve {instances} --checkpoint={workdir} --plot"]
+
+
 def _say(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, flush=True)

@@ -23,7 +23,7 @@ import vrplib
 from mvmoe_jax import checker, execution, instances, rollout, shipped
 from mvmoe_jax.io import read_vrplib, save_npz
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
-from mvmoe_jax.solve import api, inputs, models, outputs, search
+from mvmoe_jax.solve import api, inputs, models, outputs, plot, search
 from mvmoe_jax.solve.__main__ import main
 
 from conftest import REPO_ROOT, require_shared
@@ -538,6 +538,32 @@ def test_an_open_route_sol_says_so_in_a_comment_that_vrplib_readers_skip(tmp_pat
     pyvrp = pytest.importorskip("pyvrp")
     data = pyvrp.read(str(write(tmp_path / "o.vrp", vrp_text(SQUARE, OK_DEMAND))))
     assert [r.visits() for r in pyvrp.read_solution(path, data).routes()] == [[3, 1], [2]]
+
+
+def _figure_of(tmp_path, variant, routes):
+    """The plot of ``routes`` on a generated instance of ``variant`` (n = 20), read back from a JSON file."""
+    path = tmp_path / f"{variant}.json"
+    path.write_text(json.dumps(json_from_instance(jax.tree.map(lambda x: x[0], generated(variant, 1, seed=11)))))
+    [problem] = inputs.read_file(str(path))
+    solution = api.Solution(name=variant, source=str(path), variant=variant, num_customers=N, routes=routes,
+                            cost=1.0, convention_cost=1.0, greedy_cost=1.0, best_known=None, gap=None,
+                            feasible=True, violation=None, seconds=0.0, starts=N, search="greedy", rounds=0,
+                            model="m")
+    return plot.solution_figure(problem, solution)
+
+
+def test_the_plot_names_customers_by_kind_only_with_backhauls_and_never_repeats_a_route_colour(tmp_path):
+    labels = lambda fig: fig.axes[0].get_legend_handles_labels()[1]
+    one_each = [[c] for c in range(1, N + 1)]
+    assert "customer" in labels(_figure_of(tmp_path, "CVRP", one_each))
+    assert not any("linehaul" in label for label in labels(_figure_of(tmp_path, "CVRP", one_each)))
+    assert {"linehaul customer", "backhaul customer"} <= set(labels(_figure_of(tmp_path, "VRPB", [list(range(1, N + 1))])))
+    for count in (5, 20, 27, 60):
+        styles = plot.route_styles(count)
+        assert len(set(styles)) == count and len({colour for colour, _ in styles}) == count
+    many = [[c] for c in range(1, N + 1)] + [[c, c % N + 1] for c in range(1, 8)]     # 27 routes
+    lines = _figure_of(tmp_path, "CVRP", many).axes[0].lines
+    assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == 27
 
 
 def test_without_a_checkpoint_the_command_uses_the_installed_shipped_model_or_says_what_is_required(tmp_path):

@@ -41,6 +41,12 @@ def test_train_py_end_to_end(tmp_path):
     assert (workdir / "validation.png").stat().st_size > 0
     cfg, params = checkpoints.load_policy(workdir)
     assert cfg.model == "mvmoe" and cfg.embedding_dim == 16
+    # It ends by saying where its results are and how to use the checkpoint.
+    tail = proc.stdout.strip().splitlines()[-6:]
+    assert tail[:3] == [f"checkpoint: {workdir / 'checkpoints'}", f"metrics:    {workdir / 'metrics.jsonl'}",
+                        f"plot:       {workdir / 'validation.png'}"]
+    assert tail[4].startswith(f"  python evaluate.py --checkpoint={workdir} ") and "--size=50" in tail[4]
+    assert tail[5].startswith("  python -m mvmoe_jax.solve ") and tail[5].endswith(f"--checkpoint={workdir} --plot")
 
     fixtures = SHARED_DIR / "fixtures" / "torch-reference" / "data"
     if fixtures.exists():
