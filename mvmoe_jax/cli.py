@@ -143,16 +143,22 @@ def _gap(flags, var, obj: np.ndarray) -> tuple[float | None, str]:
 
 
 def _read_benchmark_file(path: str):
-    if path.endswith(".vrp"):
+    """A VRPLIB or Solomon file, told apart by its content (by its extension where the content does not say)."""
+    from mvmoe_jax.io.formats import VRPLIB, text_format
+
+    if (text_format(path) or ("VRPLIB" if path.endswith(".vrp") else "Solomon")) == VRPLIB:
         return io.read_vrplib(path)
     return io.read_solomon(path)
 
 
-def _original_cost(route: list[int], inst, meta, rounded: bool) -> float:
-    """Cost of a route (the paper's flat format) of one instance in the file's own units; CVRPLIB rounds
-    every edge to the nearest integer. Open routes do not return to the depot."""
-    xy = np.asarray(inst.locs[0], np.float64) * meta.scale + np.asarray(meta.offset, np.float64)
-    return checker.tours_cost(xy, checker.split_subtours(route), bool(np.asarray(inst.is_open).reshape(-1)[0]), rounded)
+def _original_cost(route: list[int], inst, meta, convention: str = "exact") -> float:
+    """Cost of a route (the paper's flat format) of one instance in the file's own units, each edge counted under
+    ``convention`` (``checker.COST_CONVENTIONS``; the file's is ``meta.cost_convention``). Open routes do not
+    return to the depot."""
+    xy = meta.coords if meta.coords is not None else (
+        np.asarray(inst.locs[0], np.float64) * meta.scale + np.asarray(meta.offset, np.float64))
+    return checker.tours_cost(xy, checker.split_subtours(route), bool(np.asarray(inst.is_open).reshape(-1)[0]),
+                              convention=convention)
 
 
 def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: ExecutionPlan) -> dict:
@@ -169,8 +175,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
                                           augment=flags.aug == 8, batch_size=1, seed=flags.seed,
                                           progress=False, desc=meta.name,
                                           chunk_size=getattr(flags, "chunk_size", None), plan=plan)
-        rounded = path.endswith(".vrp")
-        obj = _original_cost(res.routes[0], inst, meta, rounded)
+        obj = _original_cost(res.routes[0], inst, meta, meta.cost_convention)
         best = bks.get(meta.name)
         gap = None if best is None else (obj - best) / best * 100.0
         if gap is not None:
@@ -178,7 +183,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
         results[meta.name] = {"n": meta.num_customers, "obj": obj, "obj_unit_square": float(res.obj[0]),
                               "bks": best, "gap": gap, "route": res.routes[0], "seconds": res.seconds,
                               "compile_seconds": res.compile_seconds,
-                              "cost_convention": "rounded edges" if rounded else "euclidean", **decoding_options(cfg)}
+                              "cost_convention": meta.cost_convention, **decoding_options(cfg)}
         print(f"{meta.name:14s} {meta.num_customers:4d} {obj:10.1f} {_fmt(best, '10.0f'):>10s} "
               f"{_fmt(gap, '7.2f'):>7s} {res.seconds:7.2f}", flush=True)
     if gaps:
