@@ -242,7 +242,9 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         searched = [checker.actions_to_route(a) for a in res.actions[:len(group)]]
         routes, costs, improve_s = searched, [float(c) for c in res.cost[:len(group)]], [0.0] * len(group)
         if improve == "ls":
+            decoders[name].on_stage("local search")
             routes, costs, improve_s = _local_search(real, searched, costs)
+        decoders[name].on_stage("checking and writing")
         checks = checker.check_routes(real, routes)
         for j, (i, p) in enumerate(zip(idx, group)):
             searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
