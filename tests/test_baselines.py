@@ -331,6 +331,39 @@ def test_pyvrp_keeps_the_classic_order_where_it_costs_distance(pyvrp_solver):
                 assert kinds == sorted(kinds), tours
 
 
+def _vrpb_file(path, coords, delivery, pickup, capacity):
+    """A VRPLIB TYPE VRPB file (node 1 the depot), in the dialect of PyVRP's reader."""
+    rows = lambda v: "".join(f"{i + 1}\t{x}\n" for i, x in enumerate(v))
+    text = (f"NAME: {path.stem}\nTYPE: VRPB\nDIMENSION: {len(coords)}\nCAPACITY: {capacity}\nEDGE_WEIGHT_TYPE: EUC_2D\n"
+            "NODE_COORD_SECTION\n" + "".join(f"{i + 1}\t{x}\t{y}\n" for i, (x, y) in enumerate(coords))
+            + "DEMAND_SECTION\n" + rows(delivery) + "BACKHAUL_SECTION\n" + rows(pickup) + "DEPOT_SECTION\n1\n-1\nEOF\n")
+    path.write_text(text)
+    return path
+
+
+def test_pyvrp_checks_vrplib_routes_with_the_classic_order(pyvrp_solver, tmp_path):
+    """PyVRP's verdict on a VRPB file: capacity, every customer, and the order that its reader only prices."""
+    coords = [(0, 0), (10, 0), (20, 0), (3, 4), (0, 10)]
+    path = _vrpb_file(tmp_path / "t.vrp", coords, [0, 6, 4, 0, 5], [0, 0, 0, 7, 0], 10)
+    ok = pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3], [4]])
+    assert ok.feasible and ok.reason is None
+    assert ok.distance == checker.tours_cost(np.array(coords, float), [[1, 2, 3], [4]], False, rounded=True)
+    verdicts = {
+        "backhaul first": pyvrp_solver.check_vrplib_routes(path, [[3, 1, 2], [4]]),
+        "linehaul after a backhaul": pyvrp_solver.check_vrplib_routes(path, [[1, 3, 2], [4]]),
+        "over capacity": pyvrp_solver.check_vrplib_routes(path, [[1, 2, 4, 3]]),
+        "unserved": pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3]]),
+    }
+    for what, v in verdicts.items():
+        assert not v.feasible and v.reason, what
+    assert "prohibits" in verdicts["backhaul first"].reason and "prohibits" in verdicts["linehaul after a backhaul"].reason
+    assert "load" in verdicts["over capacity"].reason and "not served" in verdicts["unserved"].reason
+    with pytest.raises(ValueError, match="out of range"):
+        pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3, 9], [4]])
+    with pytest.raises(ValueError, match="twice"):
+        pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3], [4, 1]])
+
+
 def test_demand_units():
     paper_like = np.array([0, 3, 9, 1, 40, -7]) / 40.0
     units, cap, exact = common.demand_units(paper_like.astype(np.float32).astype(np.float64))
