@@ -186,6 +186,21 @@ def test_the_search_improves_nearest_neighbour_starts(starts):
     assert {k for g in gains for k, v in g.applied.items() if v} == set(moves.KINDS)
 
 
+@pytest.mark.parametrize("variant,rule", [("VRPBTW", "classic"), ("OVRPBLTW", "mixed"), ("VRPLTW", "paper")])
+def test_a_round_looks_past_the_replay_cap_for_a_feasible_move(starts, variant, rule, monkeypatch):
+    """Improving candidates are replayed a capped number at a time; where every one of a batch is infeasible the
+    round goes on to the next batch, so with a cap of one candidate the search still stops only at a local
+    optimum of every kind (which the uncapped search then confirms)."""
+    for inst, routes in starts[(variant, rule)]:
+        rules = RouteRules.from_instance(inst)
+        monkeypatch.setattr(descent, "MAX_REPLAYED", 1)
+        capped = local_search.improve(rules, routes)
+        assert capped.local_optimum and checked(inst, capped.routes).feasible
+        monkeypatch.undo()
+        again = local_search.improve(rules, capped.routes)
+        assert sum(again.applied.values()) == 0 and again.routes == capped.routes
+
+
 def test_a_move_breaking_the_classic_order_is_refused():
     """Depot (0, 0); a linehaul at (1, 0) and a backhaul at (0.5, 0): the shortest order serves the backhaul first,
     which the classic rule forbids; under the mixed rule the search takes it."""

@@ -72,7 +72,9 @@ def check_start(rules: RouteRules, routes: Sequence[Sequence[int]]) -> None:
 
 
 def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_segment: int):
-    """One round: the new routes of the moves applied, {row: route}, and the kinds applied; empty when none."""
+    """One round: the new routes of the moves applied, {row: route}, and the kinds applied; empty when none.
+    Improving candidates are replayed best first, ``MAX_REPLAYED`` at a time, until a batch holds a feasible
+    one (or none is left): a round that finds nothing has refused every improving candidate."""
     found = [mv.GENERATORS[k](layout, rules.arc, max_segment) if k == "relocate" else mv.GENERATORS[k](layout, rules.arc)
              for k in kinds]
     if not found:
@@ -81,9 +83,19 @@ def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_s
     kind_of = np.concatenate([np.full(len(c.delta), n) for n, c in enumerate(found)])
     index = np.concatenate([np.arange(len(c.delta)) for c in found])
     improving = np.flatnonzero(delta < -MIN_GAIN)
-    if improving.size == 0:
-        return {}, []
-    improving = improving[np.argsort(delta[improving], kind="stable")][:MAX_REPLAYED]
+    improving = improving[np.argsort(delta[improving], kind="stable")]
+    for start in range(0, improving.size, MAX_REPLAYED):
+        changed, applied = _apply_batch(rules, layout, costs, kinds, found, kind_of, index,
+                                        improving[start:start + MAX_REPLAYED])
+        if changed:
+            return changed, applied
+    return {}, []
+
+
+def _apply_batch(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, found, kind_of, index,
+                 improving: np.ndarray):
+    """Replay the candidates ``improving`` (indices into the concatenated candidates, best first) and apply,
+    best first, each feasible one that touches no route an earlier one touched: ({row: route}, kinds applied)."""
     # Gathered kind by kind, then put back in the order of their cost change.
     parts = [mv.build(layout, found[n].take(index[improving[kind_of[improving] == n]])) for n in range(len(found))]
     order = np.argsort(np.argsort(kind_of[improving], kind="stable"), kind="stable")
