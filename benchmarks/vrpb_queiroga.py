@@ -13,7 +13,7 @@ asked for solve it and each solution is reported with:
 
 Methods: ``greedy`` (greedy x8 from every POMO start) and ``eas`` (efficient active search for ``--seconds``) with
 the model ``--checkpoint`` through ``mvmoe_jax.solve`` and ``--distance_bias``; with ``--improve=ls`` the local
-search after each (its own rows); ``ortools`` (the reference model of the classic rule, ``--ortools_seconds``,
+search after each (its own rows, at most ``--ls_seconds``); ``ortools`` (the reference model of the classic rule, ``--ortools_seconds``,
 default ``--seconds``).
 
     python benchmarks/vrpb_queiroga.py --limit=6 --seconds=60 --improve=ls
@@ -43,7 +43,7 @@ DATA_DIR = os.path.join(os.path.dirname(REPO), "shared", "data", "external", "vr
 METHODS = ("greedy", "eas", "ortools")
 LABELS = {"greedy": "greedy x8", "greedy+ls": "greedy x8 + LS", "eas": "EAS", "eas+ls": "EAS + LS",
           "ortools": "OR-Tools"}
-SETTINGS = ("checkpoint", "seconds", "ortools_seconds", "distance_bias", "methods", "improve")
+SETTINGS = ("checkpoint", "seconds", "ortools_seconds", "ls_seconds", "distance_bias", "methods", "improve")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ortools_seconds", type=float, default=None, help="OR-Tools' per instance (default --seconds)")
     p.add_argument("--distance_bias", type=float, default=1.0, help="distance-aware decoding's bias (0: off)")
     p.add_argument("--improve", default="none", choices=("none", "ls"), help="ls: the local search after greedy / EAS")
+    p.add_argument("--ls_seconds", type=float, default=None,
+                   help="the local search's time limit per run (default --seconds; it stops earlier at a local optimum)")
     p.add_argument("--output", default=None, help="report JSON (markdown beside it); default benchmarks/results/")
     p.add_argument("--resume", action="store_true", help="keep the instances the report already has")
     return p
@@ -115,12 +117,14 @@ def neural(path: str, search: str, *, checkpoint: str, seconds: float, distance_
                                         "compile_seconds": report.compile_seconds}
 
 
-def local_search_after(inst, routes):
-    """The package's local search from ``routes`` (lists of customers): (routes, seconds)."""
+def local_search_after(inst, routes, seconds: float):
+    """The package's local search from ``routes`` (lists of customers) for at most ``seconds``: (routes, seconds,
+    detail)."""
     from mvmoe_jax import local_search
 
-    found = local_search.improve_instance(inst, [list(r) for r in routes])
-    return [list(t) for t in found.routes], float(found.seconds)
+    found = local_search.improve_instance(inst, [list(r) for r in routes], time_limit=seconds)
+    return [list(t) for t in found.routes], float(found.seconds), {"local_optimum": found.local_optimum,
+                                                                   "ls_rounds": found.rounds}
 
 
 def ortools(inst_batch, seconds: float):
@@ -178,8 +182,8 @@ def run_instance(path: str, args, methods: list[str]) -> dict:
                                          distance_bias=args.distance_bias)
         add(method, routes, seconds, detail)
         if args.improve == "ls":
-            better, ls_seconds = local_search_after(inst, routes)
-            add(method + "+ls", better, ls_seconds, {"after": method})
+            better, ls_seconds, detail = local_search_after(inst, routes, args.ls_seconds)
+            add(method + "+ls", better, ls_seconds, {"after": method, **detail})
     return entry
 
 
@@ -200,7 +204,8 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [f"# VRPB (Queiroga et al. 2020) under the classic backhaul rule, {report['date']}", "",
              f"Machine: {report['machine']}; commit {report['commit']}. Model `{s['checkpoint']}` with distance bias "
-             f"{s['distance_bias']:g}; EAS {s['seconds']:g} s, OR-Tools {s['ortools_seconds']:g} s per instance. "
+             f"{s['distance_bias']:g}; EAS {s['seconds']:g} s, OR-Tools {s['ortools_seconds']:g} s, the local search (LS) "
+             f"at most {s['ls_seconds']:g} s per instance. "
              "Cost: every edge rounded to the nearest integer (the `.sol` convention); gap to the file's BKS; "
              "seconds: search time (compilation excluded; the local search's own time on its row); "
              "feasible: by the environment's checker (classic rule) / by PyVRP (`pyvrp.read` of the file); "
@@ -230,13 +235,15 @@ def main(argv=None) -> int:
     if not args.seconds > 0:
         raise SystemExit(f"--seconds must be positive, got {args.seconds}")
     args.ortools_seconds = args.seconds if args.ortools_seconds is None else args.ortools_seconds
-    if not args.ortools_seconds > 0:
-        raise SystemExit(f"--ortools_seconds must be positive, got {args.ortools_seconds}")
+    args.ls_seconds = args.seconds if args.ls_seconds is None else args.ls_seconds
+    for name in ("ortools_seconds", "ls_seconds"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive, got {getattr(args, name)}")
     paths = select(args.data_dir, args.instances, args.limit)
     output = args.output or machine.default_output("vrpb_queiroga")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     settings = {"checkpoint": args.checkpoint, "seconds": args.seconds, "ortools_seconds": args.ortools_seconds,
-                "distance_bias": args.distance_bias, "methods": methods, "improve": args.improve}
+                "ls_seconds": args.ls_seconds, "distance_bias": args.distance_bias, "methods": methods, "improve": args.improve}
     report = {"date": datetime.date.today().isoformat(), "machine": machine.jax_device(),
               "commit": machine.repository_commit(), "settings": settings, "instances": []}
     if args.resume and os.path.isfile(output):

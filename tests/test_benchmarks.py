@@ -605,3 +605,41 @@ def test_vrpb_queiroga_reports_rounded_costs_gaps_and_both_verdicts(tmp_path, mo
         vq.main(argv[:-2] + ["--seconds=1", f"--output={out}", "--resume"])
     with pytest.raises(SystemExit, match="unknown 'sgbs'"):
         vq.main(argv + ["--methods=sgbs"])
+
+
+def test_backhaul_rules_zero_shot_compares_greedy_with_ortools_under_each_rule(tmp_path, monkeypatch):
+    """benchmarks/backhaul_rules_zero_shot.py: servable instances under each rule, the gap over the instances both
+    solved (greedy replaced by a stand-in that costs 10 % more than OR-Tools on one instance and dead-ends on the
+    other), OR-Tools for real and checked, the report written."""
+    import jax
+
+    from mvmoe_jax import checker, checkpoints
+
+    zs = _benchmarks_module("backhaul_rules_zero_shot")
+    batch, drawn = zs.servable_batch("VRPBTW", "classic", 20, 3, seed=0)
+    assert batch.locs.shape[0] == 3 and drawn >= 3
+    assert not np.asarray(checker.unreachable_customers(batch)).any()
+    assert np.all(np.asarray(batch.backhaul_rule) == 1)
+    seen = {}
+
+    def greedy(cfg, params, b):
+        costs = zs.ortools(b, 0.1) * 1.1
+        costs[1] = np.inf
+        seen[int(b.backhaul_rule[0])] = costs
+        return costs, 0.5
+
+    monkeypatch.setattr(zs, "greedy", greedy)
+    monkeypatch.setattr(checkpoints, "load_policy", lambda name: (None, None))
+    out = tmp_path / "zs.json"
+    assert zs.main(["--n=20", "--num_instances=2", "--variants=VRPB", "--rules=classic,mixed",
+                    "--ortools_seconds=0.1", f"--output={out}"]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["rule"], r["variant"]) for r in report["rows"]] == [("classic", "VRPB"), ("mixed", "VRPB")]
+    for r in report["rows"]:
+        assert r["greedy_solved"] == 1 and r["ortools_solved"] == 2
+        # OR-Tools runs twice (stand-in and row) within 0.1 s each: its two costs may differ slightly.
+        assert r["gap"] == pytest.approx((r["greedy_costs"][0] / r["ortools_costs"][0] - 1) * 100)
+        assert r["greedy_costs"][1] is None
+    assert "| classic | VRPB |" in (tmp_path / "zs.md").read_text()
+    with pytest.raises(SystemExit, match="no backhauls"):
+        zs.main(["--variants=CVRP", f"--output={out}"])
