@@ -20,7 +20,7 @@ default ``--seconds``).
 
 ``--limit K`` takes the K smallest files, ``--instances`` names them. The report (JSON and markdown, with the
 machine, the date and the load average) is rewritten after each instance; ``--resume`` keeps the instances a
-report with the same settings already holds.
+report with the same settings already holds (and with nothing left to run writes the report again).
 """
 
 from __future__ import annotations
@@ -200,6 +200,16 @@ def summary_rows(report: dict) -> list[tuple[str, float, float, int, int, int]]:
     return out
 
 
+def rounds(row: dict) -> str:
+    """What a row's search ran: EAS's iterations; the local search's rounds, "(limit)" where the time limit stopped
+    it before a local optimum; "-" for greedy and OR-Tools."""
+    if row["method"] == "eas":
+        return str(row.get("rounds", "-"))
+    if row["method"].endswith("+ls"):
+        return f"{row['ls_rounds']}" + ("" if row["local_optimum"] else " (limit)")
+    return "-"
+
+
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [f"# VRPB (Queiroga et al. 2020) under the classic backhaul rule, {report['date']}", "",
@@ -208,14 +218,15 @@ def markdown(report: dict) -> str:
              f"at most {s['ls_seconds']:g} s per instance. "
              "Cost: every edge rounded to the nearest integer (the `.sol` convention); gap to the file's BKS; "
              "seconds: search time (compilation excluded; the local search's own time on its row); "
+             "rounds: EAS's iterations, the local search's rounds; "
              "feasible: by the environment's checker (classic rule) / by PyVRP (`pyvrp.read` of the file); "
              "load: the 1-minute load average when the row finished.", "",
-             "| instance | n | BKS | method | cost | gap % | seconds | routes | checker | PyVRP | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| instance | n | BKS | method | cost | gap % | seconds | rounds | routes | checker | PyVRP | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["instances"]:
         for r in e["rows"]:
             lines.append(f"| {e['name']} | {e['n']} | {e['bks']:.0f} | {LABELS[r['method']]} | {r['cost']:.0f} | "
-                         f"{r['gap']:.2f} | {r['seconds']:.1f} | {r['routes']} | "
+                         f"{r['gap']:.2f} | {r['seconds']:.1f} | {rounds(r)} | {r['routes']} | "
                          f"{'yes' if r['checker_feasible'] else 'NO'} | {'yes' if r['pyvrp_feasible'] else 'NO'} | "
                          f"{r['load']:.1f} |")
     lines += ["", "Over the instances:", "", "| method | mean gap % | mean seconds | checker feasible | PyVRP feasible |",
@@ -266,6 +277,8 @@ def main(argv=None) -> int:
         machine.write_report(report, output, markdown(report))
     if not report["instances"]:
         raise SystemExit("no instance to run")
+    if len(done) == len(report["instances"]):          # nothing new: the report is written again as it is
+        machine.write_report(report, output, markdown(report))
     return 0
 
 
