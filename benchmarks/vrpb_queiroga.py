@@ -265,6 +265,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--resume: {output} was made with other settings ({differ[0]}: report "
                              f"{old['settings'].get(differ[0])!r}, now {settings[differ[0]]!r})")
         report["instances"] = old["instances"]
+        report.update({k: old[k] for k in ("date", "machine", "commit") if k in old})   # where the first ones ran
     done = {e["name"] for e in report["instances"]}
     for path in paths:
         name = os.path.basename(path)[:-4]
@@ -272,7 +273,8 @@ def main(argv=None) -> int:
             continue
         start = time.perf_counter()
         entry = run_instance(path, args, methods)
-        entry["wall_seconds"] = time.perf_counter() - start
+        entry.update(wall_seconds=time.perf_counter() - start, date=datetime.date.today().isoformat(),
+                     machine=machine.jax_device(), commit=machine.repository_commit())
         report["instances"].append(entry)
         machine.write_report(report, output, markdown(report))
     if not report["instances"]:
