@@ -4,7 +4,7 @@ under the paper, classic and mixed rules, against OR-Tools' exact model of each 
 For each rule and variant, ``--num_instances`` generated instances of size ``--n`` (``instances.generate(...,
 backhaul_rule=)``; the generator does not redraw for the classic rule's order, so draws where some backhaul has no
 linehaul to follow are replaced by further draws). Greedy x8 from every POMO start (``mvmoe_jax.solve``), and
-OR-Tools for ``--ortools_seconds`` per instance, one process. Every route of both is replayed by the checker under
+OR-Tools for ``--ortools_seconds`` per instance, one process. The report is rewritten after every row. Every route of both is replayed by the checker under
 the instance's rule. The gap is greedy's cost over OR-Tools' minus one, in percent, averaged over the instances
 both solved (a classic greedy rollout can dead-end: it then counts as unsolved).
 
@@ -64,10 +64,26 @@ def servable_batch(variant: str, rule: str, n: int, count: int, seed: int):
 
 
 def greedy(cfg, params, batch):
-    """Greedy x8: (costs float64 (K,), inf where the rollout did not finish or the checker refuses, seconds)."""
+    """Greedy x8: (costs float64 (K,), inf where no rollout finished or the checker refuses, seconds). Where some
+    instance of the batch has no finished rollout (a classic dead end from every start), the library refuses the
+    batch: it is then solved one instance at a time."""
+    import jax
+
     from mvmoe_jax import solve
 
-    sols = solve.solve_instances(cfg, params, batch, search="greedy")
+    try:
+        sols = solve.solve_instances(cfg, params, batch, search="greedy")
+    except RuntimeError:
+        costs, seconds = [], 0.0
+        for i in range(int(batch.locs.shape[0])):
+            try:
+                (s,) = solve.solve_instances(cfg, params, jax.tree.map(lambda x: x[i:i + 1], batch), search="greedy")
+            except RuntimeError:
+                costs.append(np.inf)
+                continue
+            costs.append(s.cost if s.feasible else np.inf)
+            seconds += s.seconds
+        return np.array(costs, np.float64), seconds
     costs = np.array([s.cost if s.feasible else np.inf for s in sols], np.float64)
     return costs, float(sum(s.seconds for s in sols))
 
@@ -130,6 +146,13 @@ def main(argv=None) -> int:
     if args.num_instances < 1 or not args.ortools_seconds > 0:
         raise SystemExit("--num_instances and --ortools_seconds must be positive")
     cfg, params = checkpoints.load_policy(args.checkpoint)
+    output = args.output or machine.default_output("backhaul_rules_zero_shot")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    report = {"date": datetime.date.today().isoformat(), "machine": machine.jax_device(),
+              "commit": machine.repository_commit(),
+              "settings": {"checkpoint": args.checkpoint, "n": args.n, "num_instances": args.num_instances,
+                           "ortools_seconds": args.ortools_seconds, "seed": args.seed},
+              "rows": []}
     rows = []
     for rule in rules:
         for variant in variants:
@@ -147,18 +170,12 @@ def main(argv=None) -> int:
                    "greedy_costs": [c if np.isfinite(c) else None for c in g.tolist()],
                    "ortools_costs": [c if np.isfinite(c) else None for c in o.tolist()]}
             rows.append(row)
+            report["rows"] = rows
+            machine.write_report(report, output, markdown(report))
             gap = "-" if row["gap"] is None else f"{row['gap']:.2f}%"
             print(f"{rule:>7} {variant:<8} greedy {row['greedy_mean']:.4f} OR-Tools {row['ortools_mean']:.4f} gap {gap} "
                   f"solved {row['greedy_solved']}/{row['ortools_solved']} of {args.num_instances} "
                   f"(load {row['load']})", flush=True)
-    output = args.output or machine.default_output("backhaul_rules_zero_shot")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    report = {"date": datetime.date.today().isoformat(), "machine": machine.jax_device(),
-              "commit": machine.repository_commit(),
-              "settings": {"checkpoint": args.checkpoint, "n": args.n, "num_instances": args.num_instances,
-                           "ortools_seconds": args.ortools_seconds, "seed": args.seed},
-              "rows": rows}
-    machine.write_report(report, output, markdown(report))
     return 0
 
 
