@@ -277,6 +277,17 @@ def test_queiroga_best_known_routes_pass_the_classic_checker(queiroga_dir, name)
     assert got.feasible, got
     assert checker.tours_cost(meta.coords, sol["routes"], False, rounded=True) == sol["cost"]
     assert got.cost * meta.scale == pytest.approx(checker.tours_cost(meta.coords, sol["routes"], False), rel=1e-5)
+    # PyVRP's reading of the file agrees: feasible, at the file's cost; a route turned round breaks the order.
+    from mvmoe_jax.baselines import pyvrp_solver
+
+    verdict = pyvrp_solver.check_vrplib_routes(queiroga_dir / f"{name}.vrp", sol["routes"])
+    assert verdict.feasible and verdict.distance == sol["cost"]
+    turned = [list(r) for r in sol["routes"]]
+    k = next(i for i, r in enumerate(turned) if inst.demand[0, r[-1]] < 0)
+    turned[k] = turned[k][::-1]
+    assert not pyvrp_solver.check_vrplib_routes(queiroga_dir / f"{name}.vrp", turned).feasible
+    flat = [c for r in turned for c in [*r, 0]]
+    assert not checker.check_route(jax.tree.map(lambda x: x[0], inst), flat).feasible
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -205,6 +205,165 @@ def test_backhaul_rule_derivation(ortools_solver):
     assert tours[0] == [1] and sorted(tours[1:]) == [[2], [3]]
 
 
+# ----------------------------------------------------------------------------------------------------
+# The classic and mixed backhaul rules
+# ----------------------------------------------------------------------------------------------------
+
+B_VARIANTS = [v.name for v in problems.VARIANTS if v.backhaul]
+OTHER_RULES = ("classic", "mixed")
+
+
+def _solvable_batch(variant: str, rule: str, k: int, seed: int, tries: int = 4):
+    """k generated instances under ``rule`` that a random rollout of the environment solves (the generator does
+    not redraw for the classic rule's order, so some draws have no solution), and a finished rollout's route for
+    each (``tries`` random rollouts per instance)."""
+    m = 4 * k
+    batch = instances.generate(jax.random.PRNGKey(seed + problems.VARIANT_NAMES.index(variant)), m, N, variant,
+                               backhaul_rule=rule)
+    copies = jax.tree.map(lambda x: jnp.concatenate([x] * tries), batch)
+    acts, finished = _random_rollouts(copies, jax.random.PRNGKey(seed))
+    finished = np.asarray(finished).reshape(tries, m)
+    keep = np.flatnonzero(finished.any(0))[:k]
+    assert keep.size == k, f"only {keep.size} of {m} instances solved by {tries} random rollouts each"
+    routes = [checker.actions_to_route(np.asarray(acts)[int(np.argmax(finished[:, i])) * m + i]) for i in keep]
+    return jax.tree.map(lambda x: x[keep], batch), routes
+
+
+@pytest.mark.parametrize("rule", OTHER_RULES)
+@pytest.mark.parametrize("variant", B_VARIANTS)
+def test_ortools_routes_pass_checker_under_each_rule(ortools_solver, variant, rule):
+    batch, _ = _solvable_batch(variant, rule, 2, seed=40)
+    sols = ortools_solver.solve(batch, time_limit=0.2, workers=1, progress=False, check=False)
+    _assert_checked(batch, sols)
+    for r in sols.results:
+        assert abs(r.solver_objective - r.cost) < 1e-4
+
+
+@pytest.mark.parametrize("rule", OTHER_RULES)
+@pytest.mark.parametrize("variant", ["VRPB", "OVRPBL", "VRPBTW", "OVRPBLTW"])
+def test_ortools_model_admits_exactly_env_routes_under_each_rule(ortools_solver, variant, rule):
+    """Under the classic and mixed rules too, the model admits every finished random rollout of the
+    environment, and a route with two customers swapped exactly when the checker accepts it."""
+    batch, routes = _solvable_batch(variant, rule, 10, seed=7)
+    rng = np.random.default_rng(1)
+    swapped = []
+    for r in routes:
+        r = list(r)
+        idx = [i for i, v in enumerate(r) if v]
+        i, j = rng.choice(idx, 2, replace=False)
+        r[i], r[j] = r[j], r[i]
+        swapped.append(r)
+    probs = common.problems_from_instances(batch)
+    assert all(p.backhaul_rule == problems.backhaul_rule_index(rule) for p in probs)
+    verdicts = []
+    for rs in (routes, swapped):
+        checks = checker.check_routes(batch, rs)
+        for p, r, c in zip(probs, rs, checks):
+            assert ortools_solver.model_accepts(p, r) == c.feasible, (p.index, r, c.violation)
+            verdicts.append(c.feasible)
+    assert all(verdicts[:len(routes)]) and not all(verdicts[len(routes):])
+
+
+def test_classic_and_mixed_rules_as_the_model_encodes_them(ortools_solver):
+    """Hand-made routes on capacity 10 (linehauls 1: 6, 2: 4, 6: 3; backhauls 3: 5, 4: 3, 5: 10), each admitted
+    by the model exactly when the checker admits it under the instance's rule, and the verdict written out."""
+    base = _tiny_backhaul_instance([6, 4, -5, -3, -10, 3])
+    cases = {
+        "classic": [
+            ((1, 2, 3, 4, 0, 6, 5), True),         # deliver 10 then pick 8; deliver 3 then pick 10
+            ((1, 2, 6, 3, 0, 4, 5), False),        # deliveries 13 > 10
+            ((1, 3, 2, 4, 0, 6, 5), False),        # a linehaul after a backhaul
+            ((3, 1, 0, 2, 4, 0, 6, 5), False),     # a route opening with a backhaul
+            ((1, 2, 0, 6, 5, 0, 3, 4), False),     # a route of backhauls only
+            ((1, 3, 4, 0, 2, 6, 5), True),         # pick 8; deliver 7 then pick 10
+            ((1, 5, 3, 0, 2, 6, 4), False),        # pickups 15 > 10
+        ],
+        "mixed": [
+            ((1, 2, 3, 4, 0, 6, 5), True),         # leaves with 10, on board 0 -> 8; leaves with 3, then 10
+            ((3, 2, 0, 1, 4, 0, 6, 5), True),      # leaves with 4, picks 5 first: 9 on board
+            ((6, 5, 0, 1, 3, 0, 2, 4), True),      # leaves with 3, 0 after, picks 10; 6 -> 0 -> 5; 4 -> 0 -> 3
+            ((5, 6, 0, 1, 3, 0, 2, 4), False),     # leaves with 3, picks 10 before delivering: 13 on board
+            ((4, 2, 1, 0, 3, 0, 6, 5), False),     # leaves with 10, picks 3 first: 13 on board
+            ((2, 4, 6, 0, 1, 3, 0, 5), True),      # leaves with 7: 3 after 2, 6 with 4, 3 after 6
+            ((1, 2, 6, 0, 3, 4, 5), False),        # deliveries 13 > 10
+            ((3, 1, 0, 2, 4, 0, 6, 5), False),     # leaves with 6, picks 5 first: 11 on board
+        ],
+    }
+    for rule, rows in cases.items():
+        inst = instances.with_backhaul_rule(base, rule)
+        p = common.problems_from_instances(inst)[0]
+        batch = jax.tree.map(lambda x: jnp.repeat(x, len(rows), 0), inst)
+        checks = checker.check_routes(batch, [list(r) for r, _ in rows])
+        for (route, expected), c in zip(rows, checks):
+            assert c.feasible == expected, (rule, route, c.violation)
+            assert ortools_solver.model_accepts(p, list(route)) == expected, (rule, route)
+        sols = ortools_solver.solve(inst, time_limit=0.2, progress=False)
+        assert sols.checks[0].feasible
+
+
+@pytest.mark.parametrize("rule", OTHER_RULES)
+@pytest.mark.parametrize("variant", ["VRPB", "OVRPBL", "VRPBLTW"])
+def test_pyvrp_routes_pass_checker_under_each_rule(pyvrp_solver, variant, rule):
+    """PyVRP solves the classic and mixed rules (the classic order through prohibitive arcs); every route passes
+    the environment's checker under the instance's rule."""
+    import pyvrp.constants
+
+    assert pyvrp_solver.MAX_VALUE == pyvrp.constants.MAX_VALUE
+    batch, _ = _solvable_batch(variant, rule, 2, seed=60)
+    sols = pyvrp_solver.solve(batch, time_limit=0.3, workers=1, progress=False, check=False)
+    _assert_checked(batch, sols)
+
+
+def test_pyvrp_keeps_the_classic_order_where_it_costs_distance(pyvrp_solver):
+    """Backhauls beside the depot and linehauls far out: without the order a route would collect the backhauls
+    on the way out; under the classic rule PyVRP serves them on the way back, as the checker requires."""
+    xy = [[0.52, 0.5], [0.5, 0.52], [0.9, 0.5], [0.9, 0.55], [0.9, 0.45]]
+    inst = _tiny_backhaul_instance([-2, -2, 3, 3, 3], xy=np.array(xy), capacity=10.0)
+    for rule in OTHER_RULES:
+        batch = instances.with_backhaul_rule(inst, rule)
+        sols = pyvrp_solver.solve(batch, time_limit=0.3, progress=False)
+        assert sols.checks[0].feasible
+        tours = checker.split_subtours(sols.routes[0])
+        if rule == "classic":
+            assert all(t[0] > 2 for t in tours), tours
+            for t in tours:
+                kinds = [v <= 2 for v in t]          # True: a backhaul
+                assert kinds == sorted(kinds), tours
+
+
+def _vrpb_file(path, coords, delivery, pickup, capacity):
+    """A VRPLIB TYPE VRPB file (node 1 the depot), in the dialect of PyVRP's reader."""
+    rows = lambda v: "".join(f"{i + 1}\t{x}\n" for i, x in enumerate(v))
+    text = (f"NAME: {path.stem}\nTYPE: VRPB\nDIMENSION: {len(coords)}\nCAPACITY: {capacity}\nEDGE_WEIGHT_TYPE: EUC_2D\n"
+            "NODE_COORD_SECTION\n" + "".join(f"{i + 1}\t{x}\t{y}\n" for i, (x, y) in enumerate(coords))
+            + "DEMAND_SECTION\n" + rows(delivery) + "BACKHAUL_SECTION\n" + rows(pickup) + "DEPOT_SECTION\n1\n-1\nEOF\n")
+    path.write_text(text)
+    return path
+
+
+def test_pyvrp_checks_vrplib_routes_with_the_classic_order(pyvrp_solver, tmp_path):
+    """PyVRP's verdict on a VRPB file: capacity, every customer, and the order that its reader only prices."""
+    coords = [(0, 0), (10, 0), (20, 0), (3, 4), (0, 10)]
+    path = _vrpb_file(tmp_path / "t.vrp", coords, [0, 6, 4, 0, 5], [0, 0, 0, 7, 0], 10)
+    ok = pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3], [4]])
+    assert ok.feasible and ok.reason is None
+    assert ok.distance == checker.tours_cost(np.array(coords, float), [[1, 2, 3], [4]], False, rounded=True)
+    verdicts = {
+        "backhaul first": pyvrp_solver.check_vrplib_routes(path, [[3, 1, 2], [4]]),
+        "linehaul after a backhaul": pyvrp_solver.check_vrplib_routes(path, [[1, 3, 2], [4]]),
+        "over capacity": pyvrp_solver.check_vrplib_routes(path, [[1, 2, 4, 3]]),
+        "unserved": pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3]]),
+    }
+    for what, v in verdicts.items():
+        assert not v.feasible and v.reason, what
+    assert "prohibits" in verdicts["backhaul first"].reason and "prohibits" in verdicts["linehaul after a backhaul"].reason
+    assert "load" in verdicts["over capacity"].reason and "not served" in verdicts["unserved"].reason
+    with pytest.raises(ValueError, match="out of range"):
+        pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3, 9], [4]])
+    with pytest.raises(ValueError, match="twice"):
+        pyvrp_solver.check_vrplib_routes(path, [[1, 2, 3], [4, 1]])
+
+
 def test_demand_units():
     paper_like = np.array([0, 3, 9, 1, 40, -7]) / 40.0
     units, cap, exact = common.demand_units(paper_like.astype(np.float32).astype(np.float64))
@@ -283,10 +442,37 @@ def test_command_line_writes_readable_solutions(tmp_path, solver, variant):
     assert summary.exists()
 
 
+@pytest.mark.parametrize("solver,rule", [("ortools", "classic"), ("pyvrp", "mixed")])
+def test_command_line_solves_under_the_stated_backhaul_rule(tmp_path, capsys, solver, rule):
+    """--backhauls=RULE: the routes written pass the checker under that rule (and the classic ones keep its
+    order, which the paper's rule does not ask for)."""
+    _require(solver)
+    from mvmoe_jax.baselines.__main__ import main
+
+    batch, _ = _solvable_batch("VRPB", rule, 2, seed=80)
+    data = tmp_path / "vrpb20_uniform.pkl"
+    _write_paper_instances(data, batch, "VRPB")
+    out = tmp_path / "sol.pkl"
+    assert main([f"--solver={solver}", "--problem=VRPB", f"--data={data}", f"--backhauls={rule}",
+                 "--time_limit=0.3", f"--output={out}", "--no_progress"]) == 0
+    assert f"under the {rule} backhaul rule" in capsys.readouterr().out
+    costs, routes = io.load_paper_solutions(out)
+    loaded = instances.with_backhaul_rule(io.load_paper_instances(data, "VRPB"), rule)
+    checks = checker.check_routes(loaded, routes)
+    assert all(c.feasible for c in checks), [c.violation for c in checks]
+    np.testing.assert_allclose(costs, [c.cost for c in checks], rtol=1e-5)
+    if rule == "classic":
+        for i, r in enumerate(routes):
+            for t in checker.split_subtours(r):
+                back = [bool(loaded.demand[i, v] < 0) for v in t]
+                assert not back[0] and back == sorted(back), t
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--solver=gurobi", "--problem=CVRP"], "unknown solver 'gurobi'"),
     (["--solver=ortools", "--problem=VRPX"], "unknown VRP variant 'VRPX'"),
     (["--solver=pyvrp", "--problem=VRPBTW"], "pyvrp cannot express VRPBTW exactly"),
+    (["--solver=ortools", "--problem=VRPB", "--backhauls=strict"], "unknown backhaul rule 'strict'"),
     (["--solver=ortools", "--problem=CVRP", "--data=/nonexistent/cvrp50_uniform.pkl"], "data file not found"),
     (["--solver=ortools", "--problem=CVRP", "--num_instances=0"], "--num_instances must be >= 1"),
     (["--solver=ortools", "--problem=CVRP", "--time_limit=0"], "--time_limit must be positive"),

@@ -551,3 +551,95 @@ def test_search_vs_time_improves_routes_by_the_local_search_and_by_ortools():
         assert feasible == 2 and np.all(costs < start) and np.all(seconds > 0), improvement
     with pytest.raises(ValueError, match="unknown improvement 'x'"):
         svt.improved_routes(batch, routes, "x")
+
+
+def test_vrpb_queiroga_reports_rounded_costs_gaps_and_both_verdicts(tmp_path, monkeypatch):
+    """benchmarks/vrpb_queiroga.py on a tiny VRPB file: the rounded cost and the gap to the .sol's cost recomputed
+    here, both checkers' verdicts, the local search's row never worse, a resumed run measuring nothing again.
+    The model's search is replaced by a stand-in (one route per linehaul, each backhaul after one of them);
+    OR-Tools runs for real, briefly."""
+    import math
+
+    vq = _benchmarks_module("vrpb_queiroga")
+    coords = [(50, 50), (10, 50), (90, 50), (50, 90), (50, 10), (20, 55), (80, 45), (55, 85), (45, 15), (30, 50)]
+    delivery = [0, 4, 3, 5, 2, 0, 0, 0, 0, 0]
+    pickup = [0, 0, 0, 0, 0, 3, 4, 2, 5, 3]
+    rows = lambda v: "".join(f"{i + 1}\t{x}\n" for i, x in enumerate(v))
+    (tmp_path / "T-n10.vrp").write_text(
+        "NAME: T-n10\nTYPE: VRPB\nDIMENSION: 10\nCAPACITY: 10\nEDGE_WEIGHT_TYPE: EUC_2D\nNODE_COORD_SECTION\n"
+        + "".join(f"{i + 1}\t{x}\t{y}\n" for i, (x, y) in enumerate(coords)) + "DEMAND_SECTION\n" + rows(delivery)
+        + "BACKHAUL_SECTION\n" + rows(pickup) + "DEPOT_SECTION\n1\n-1\nEOF\n")
+    (tmp_path / "T-n10.sol").write_text("Route #1: 1 8 4\nCost: 200\n")
+
+    def rounded(routes):
+        return sum(math.floor(math.dist(coords[a], coords[b]) + 0.5)
+                   for r in routes for a, b in zip([0, *r], [*r, 0]))
+
+    stand_in = [[1, 9], [2, 6], [3, 7], [4, 5, 8]]       # customers 1..9 = file nodes 2..10
+    calls = []
+
+    def neural(path, search, **kwargs):
+        calls.append(search)
+        return stand_in, 0.25, {"starts": 4}
+
+    monkeypatch.setattr(vq, "neural", neural)
+    out = tmp_path / "report.json"
+    argv = [f"--data_dir={tmp_path}", "--methods=greedy,ortools", "--improve=ls", "--seconds=0.3",
+            f"--output={out}"]
+    assert vq.main(argv) == 0
+    report = json.loads(out.read_text())
+    (entry,) = report["instances"]
+    assert entry["name"] == "T-n10" and entry["n"] == 9 and entry["bks"] == 200
+    by = {r["method"]: r for r in entry["rows"]}
+    assert list(by) == ["greedy", "greedy+ls", "ortools"]
+    assert by["greedy"]["cost"] == rounded(stand_in)
+    for r in by.values():
+        assert r["checker_feasible"] and r["pyvrp_feasible"], r
+        assert r["cost"] == rounded(r["solution"]) == r["pyvrp_distance"]
+        assert r["gap"] == pytest.approx((r["cost"] - 200) / 200 * 100)
+    assert by["greedy+ls"]["cost"] <= by["greedy"]["cost"]
+    text = (tmp_path / "report.md").read_text()
+    assert f"| T-n10 | 9 | 200 | greedy x8 | {rounded(stand_in)} |" in text and report["machine"]
+    assert vq.main(argv + ["--resume"]) == 0 and calls == ["greedy"]
+    with pytest.raises(SystemExit, match="other settings"):
+        vq.main(argv[:-2] + ["--seconds=1", f"--output={out}", "--resume"])
+    with pytest.raises(SystemExit, match="unknown 'sgbs'"):
+        vq.main(argv + ["--methods=sgbs"])
+
+
+def test_backhaul_rules_zero_shot_compares_greedy_with_ortools_under_each_rule(tmp_path, monkeypatch):
+    """benchmarks/backhaul_rules_zero_shot.py: servable instances under each rule, the gap over the instances both
+    solved (greedy replaced by a stand-in that costs 10 % more than OR-Tools on one instance and dead-ends on the
+    other), OR-Tools for real and checked, the report written."""
+    import jax
+
+    from mvmoe_jax import checker, checkpoints
+
+    zs = _benchmarks_module("backhaul_rules_zero_shot")
+    batch, drawn = zs.servable_batch("VRPBTW", "classic", 20, 3, seed=0)
+    assert batch.locs.shape[0] == 3 and drawn >= 3
+    assert not np.asarray(checker.unreachable_customers(batch)).any()
+    assert np.all(np.asarray(batch.backhaul_rule) == 1)
+    seen = {}
+
+    def greedy(cfg, params, b):
+        costs = zs.ortools(b, 0.1) * 1.1
+        costs[1] = np.inf
+        seen[int(b.backhaul_rule[0])] = costs
+        return costs, 0.5
+
+    monkeypatch.setattr(zs, "greedy", greedy)
+    monkeypatch.setattr(checkpoints, "load_policy", lambda name: (None, None))
+    out = tmp_path / "zs.json"
+    assert zs.main(["--n=20", "--num_instances=2", "--variants=VRPB", "--rules=classic,mixed",
+                    "--ortools_seconds=0.1", f"--output={out}"]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["rule"], r["variant"]) for r in report["rows"]] == [("classic", "VRPB"), ("mixed", "VRPB")]
+    for r in report["rows"]:
+        assert r["greedy_solved"] == 1 and r["ortools_solved"] == 2
+        # OR-Tools runs twice (stand-in and row) within 0.1 s each: its two costs may differ slightly.
+        assert r["gap"] == pytest.approx((r["greedy_costs"][0] / r["ortools_costs"][0] - 1) * 100)
+        assert r["greedy_costs"][1] is None
+    assert "| classic | VRPB |" in (tmp_path / "zs.md").read_text()
+    with pytest.raises(SystemExit, match="no backhauls"):
+        zs.main(["--variants=CVRP", f"--output={out}"])

@@ -186,6 +186,48 @@ def test_the_search_improves_nearest_neighbour_starts(starts):
     assert {k for g in gains for k, v in g.applied.items() if v} == set(moves.KINDS)
 
 
+@pytest.mark.parametrize("variant,rule", [("VRPBTW", "classic"), ("OVRPBLTW", "mixed"), ("VRPLTW", "paper")])
+def test_a_round_looks_past_the_replay_cap_for_a_feasible_move(starts, variant, rule, monkeypatch):
+    """Improving candidates are replayed a capped number at a time; where every one of a batch is infeasible the
+    round goes on to the next batch, so with a cap of one candidate the search still stops only at a local
+    optimum of every kind (which the uncapped search then confirms)."""
+    for inst, routes in starts[(variant, rule)]:
+        rules = RouteRules.from_instance(inst)
+        monkeypatch.setattr(descent, "MAX_REPLAYED", 1)
+        capped = local_search.improve(rules, routes)
+        assert capped.local_optimum and checked(inst, capped.routes).feasible
+        monkeypatch.undo()
+        again = local_search.improve(rules, capped.routes)
+        assert sum(again.applied.values()) == 0 and again.routes == capped.routes
+
+
+def test_the_time_limit_stops_a_round_that_finds_nothing_without_claiming_an_optimum(starts, monkeypatch):
+    """Every batch of candidates refused (a stand-in replay that finds nothing, 0.3 s a batch of one): without a
+    time limit the round looks at every improving candidate and the start is a local optimum; with 0.5 s it stops
+    after the batch that passes the limit and does not call the start one."""
+    import time
+
+    inst, routes = starts[("VRPB", "classic")][0]
+    rules = RouteRules.from_instance(inst)
+    calls = []
+
+    def refuse_all(*args):
+        calls.append(time.perf_counter())
+        time.sleep(0.3 if limited else 0.0)
+        return {}, []
+
+    monkeypatch.setattr(descent, "MAX_REPLAYED", 1)
+    monkeypatch.setattr(descent, "_apply_batch", refuse_all)
+    limited = False
+    full = local_search.improve(rules, routes)
+    assert full.local_optimum and full.rounds == 1 and len(calls) > 3
+    calls.clear()
+    limited = True
+    stopped = local_search.improve(rules, routes, time_limit=0.5)
+    assert not stopped.local_optimum and stopped.rounds == 1 and 2 <= len(calls) <= 3
+    assert checked(inst, stopped.routes).feasible
+
+
 def test_a_move_breaking_the_classic_order_is_refused():
     """Depot (0, 0); a linehaul at (1, 0) and a backhaul at (0.5, 0): the shortest order serves the backhaul first,
     which the classic rule forbids; under the mixed rule the search takes it."""

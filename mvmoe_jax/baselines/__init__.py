@@ -1,9 +1,9 @@
 """Reference solvers under exactly the environment's semantics (``docs/environment.md``).
 
-* OR-Tools (``ortools``): all 16 variants; parallel cheapest insertion, then guided local search for a
-  time limit per instance.
-* PyVRP (``pyvrp``, hybrid genetic search): the 8 variants without backhauls, whose semantics it
-  expresses exactly.
+* OR-Tools (``ortools``): all 16 variants under each backhaul rule (paper, classic, mixed); parallel
+  cheapest insertion, then guided local search for a time limit per instance.
+* PyVRP (``pyvrp``, hybrid genetic search): the 8 variants without backhauls, and the 8 with backhauls under
+  the classic and mixed rules, whose semantics it expresses exactly.
 
 Every returned route is replayed through ``mvmoe_jax.checker`` (``check=True``): an infeasible route or
 a cost that differs from the checker's raises ``InfeasibleSolutionError``.
@@ -46,23 +46,24 @@ def canonical_solver(solver: str) -> str:
     return _module(solver).NAME
 
 
-def supported_variants(solver: str) -> tuple[str, ...]:
-    """Names of the variants ``solver`` models exactly."""
+def supported_variants(solver: str, backhaul_rule: str | int = "paper") -> tuple[str, ...]:
+    """Names of the variants ``solver`` models exactly under ``backhaul_rule`` (``problems.BACKHAUL_RULES``)."""
     name = canonical_solver(solver)
-    if name == "pyvrp":
+    rule = _problems.backhaul_rule_index(backhaul_rule)
+    if name == "pyvrp" and rule == _problems.PAPER_RULE:
         return tuple(v.name for v in _problems.VARIANTS if not v.backhaul)
     return tuple(v.name for v in _problems.VARIANTS)
 
 
-def check_supported(solver: str, variant) -> None:
-    """Raise UnsupportedVariantError if ``solver`` cannot model ``variant`` exactly."""
+def check_supported(solver: str, variant, backhaul_rule: str | int = "paper") -> None:
+    """Raise UnsupportedVariantError if ``solver`` cannot model ``variant`` under ``backhaul_rule`` exactly."""
     var = _problems.get_variant(variant)
     name = canonical_solver(solver)
-    if var.name not in supported_variants(name):
+    if var.name not in supported_variants(name, backhaul_rule):
         raise UnsupportedVariantError(
-            f"{name} cannot express {var.name} exactly (the environment's backhaul rule: the vehicle leaves "
-            f"full whatever it delivers); it supports {', '.join(supported_variants(name))}. "
-            "Use --solver=ortools for variants with B.")
+            f"{name} cannot express {var.name} exactly under the paper's backhaul rule (the vehicle leaves full "
+            f"whatever it delivers); it supports {', '.join(supported_variants(name))} under it, and every "
+            "variant under the classic and mixed rules. Use --solver=ortools for variants with B.")
 
 
 def solve(instances, solver: str = "ortools", *, time_limit: float | None = None, workers: int = 1,

@@ -3,7 +3,8 @@
     python -m mvmoe_jax.baselines --solver=ortools --problem=VRPBLTW --data=vrpbltw50_uniform.pkl \
         --num_instances=20 --time_limit=20 --workers=2 --output=ortools_vrpbltw50.pkl
 
-Every route is replayed through the environment's checker before the file is written. With
+``--backhauls=classic`` or ``mixed`` solves instances with backhauls under that rule instead of the paper's
+(``docs/environment.md``). Every route is replayed through the environment's checker before the file is written. With
 ``--reference=FILE`` (a solution file for the same instances) the mean gap to it is printed too.
 Exit status: 0 on success, 2 for bad input (message on stderr), 1 if a route fails the checker.
 """
@@ -21,9 +22,13 @@ import numpy as np
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mvmoe_jax.baselines", description=__doc__.split("\n\n")[0])
-    p.add_argument("--solver", required=True, help="ortools (all 16 variants) or pyvrp (variants without B)")
+    p.add_argument("--solver", required=True,
+                   help="ortools (all 16 variants) or pyvrp (variants without B; with B under the classic and mixed rules)")
     p.add_argument("--problem", required=True, help="variant name, e.g. CVRP, VRPBLTW")
     p.add_argument("--data", required=True, help="instance file in the paper's pickle format")
+    p.add_argument("--backhauls", default="paper",
+                   help="the backhaul rule the instances are solved under: paper (the paper's data, default), classic "
+                        "or mixed (docs/environment.md)")
     p.add_argument("--num_instances", type=int, default=None, help="solve the first K instances (default all)")
     p.add_argument("--offset", type=int, default=0, help="skip this many instances first")
     p.add_argument("--time_limit", type=float, default=None,
@@ -44,12 +49,13 @@ def _error(msg: str, code: int = 2):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from mvmoe_jax import baselines, io, problems
+    from mvmoe_jax import baselines, instances, io, problems
 
     try:
         solver = baselines.canonical_solver(args.solver)
         var = problems.get_variant(args.problem)
-        baselines.check_supported(solver, var)
+        rule = problems.backhaul_rule_name(args.backhauls)
+        baselines.check_supported(solver, var, rule)
         if not os.path.isfile(args.data):
             raise FileNotFoundError(f"data file not found: {args.data}")
         if args.num_instances is not None and args.num_instances < 1:
@@ -67,13 +73,15 @@ def main(argv=None) -> int:
         if named is not None and named.name != var.name:
             print(f"warning: --problem={var.name} but the file name says {named.name}", file=sys.stderr)
         inst = io.load_paper_instances(args.data, var, num_instances=args.num_instances, offset=args.offset)
+        inst = instances.with_backhaul_rule(inst, rule)
     except (ValueError, FileNotFoundError, ImportError) as e:
         _error(str(e))
 
     k = int(inst.locs.shape[0])
     n = int(inst.locs.shape[1] - 1)
     limit = baselines.DEFAULT_TIME_LIMIT[solver] if args.time_limit is None else args.time_limit
-    print(f"{solver}: {k} {var.name} instances (n = {n}) from {args.data}, {limit:g} s each, "
+    rule_text = f" under the {rule} backhaul rule" if var.backhaul else ""
+    print(f"{solver}: {k} {var.name} instances (n = {n}){rule_text} from {args.data}, {limit:g} s each, "
           f"{args.workers} worker(s)", flush=True)
     start = time.perf_counter()
     try:
@@ -87,7 +95,7 @@ def main(argv=None) -> int:
     sols.save(args.output)
     print(f"mean cost {sols.mean:.5f} over {k} instances; all {k} routes pass the environment's checker; "
           f"{np.mean(sols.seconds):.2f} s per instance, {wall:.1f} s wall; wrote {args.output}")
-    summary = {"solver": solver, "problem": var.name, "data": os.path.abspath(args.data), "n": n,
+    summary = {"solver": solver, "problem": var.name, "backhaul_rule": rule, "data": os.path.abspath(args.data), "n": n,
                "num_instances": k, "offset": args.offset, "time_limit": limit, "workers": args.workers,
                "mean": sols.mean, "costs": sols.costs.tolist(), "seconds": sols.seconds.tolist(),
                "wall_seconds": wall, "feasible": k}

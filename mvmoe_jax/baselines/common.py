@@ -65,7 +65,8 @@ class Problem:
     """One instance as plain float64 numpy (picklable, no JAX), node 0 the depot.
 
     demand is normalised (capacity 1, backhauls < 0); tw_end[0] is the depot's closing time with TW;
-    route_limit is +inf without L.
+    route_limit is +inf without L; backhaul_rule an index of ``problems.BACKHAUL_RULES`` (0 paper, 1 classic,
+    2 mixed; it matters only with backhauls).
     """
 
     locs: np.ndarray
@@ -79,6 +80,7 @@ class Problem:
     has_limit: bool
     has_tw: bool
     index: int = 0
+    backhaul_rule: int = 0
 
     @property
     def num_customers(self) -> int:
@@ -111,13 +113,7 @@ def problems_from_instances(instances) -> list[Problem]:
     locs = np.asarray(host.locs, np.float64)
     if locs.ndim != 3:
         raise BaselineError(f"expected a batched Instance (locs (batch, n+1, 2)), got locs {locs.shape}")
-    other_rule = np.asarray(host.has_backhaul) & (np.asarray(host.backhaul_rule) != 0)
-    if other_rule.any():
-        from mvmoe_jax import problems
-        i = int(np.flatnonzero(other_rule)[0])
-        raise UnsupportedVariantError(
-            f"instance {i}: backhauls under the {problems.backhaul_rule_name(int(host.backhaul_rule[i]))} rule; the "
-            "reference solvers model only the paper's backhaul rule")
+    rules = np.asarray(host.backhaul_rule).reshape(-1)
     out = []
     for i in range(locs.shape[0]):
         out.append(Problem(
@@ -126,7 +122,7 @@ def problems_from_instances(instances) -> list[Problem]:
             tw_start=np.asarray(host.tw_start[i], np.float64), tw_end=np.asarray(host.tw_end[i], np.float64),
             route_limit=float(host.route_limit[i]), is_open=bool(host.is_open[i]),
             has_backhaul=bool(host.has_backhaul[i]), has_limit=bool(host.has_limit[i]),
-            has_tw=bool(host.has_tw[i]), index=i))
+            has_tw=bool(host.has_tw[i]), index=i, backhaul_rule=int(rules[i])))
     return out
 
 
@@ -178,10 +174,11 @@ def flatten_tours(tours: Sequence[Sequence[int]]) -> list[int]:
 
 
 def order_tours(problem: Problem, tours: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Sub-tours in an order the environment accepts: with backhauls, tours holding a linehaul first
-    (they leave full), tours of backhauls only last (they leave empty once every linehaul is served)."""
+    """Sub-tours in an order the environment accepts: under the paper's backhaul rule, tours holding a linehaul
+    first (they leave full), tours of backhauls only last (they leave empty once every linehaul is served); under
+    the other rules, and without backhauls, routes do not depend on each other and keep their order."""
     tours = [list(map(int, t)) for t in tours if len(t)]
-    if not problem.has_backhaul:
+    if not problem.has_backhaul or problem.backhaul_rule != 0:
         return tours
     has_line = [any(problem.demand[v] > 0 for v in t) for t in tours]
     return [t for t, h in zip(tours, has_line) if h] + [t for t, h in zip(tours, has_line) if not h]
@@ -288,6 +285,9 @@ class Timer:
     def __enter__(self):
         self.start = time.perf_counter()
         return self
+
+    def now(self) -> float:
+        return time.perf_counter()
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start

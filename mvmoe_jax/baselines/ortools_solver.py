@@ -3,7 +3,7 @@
 Model (``docs/environment.md``; integers as explained in ``common``):
 
 * Arc cost: Euclidean distance; with O, arcs into the depot cost 0.
-* Capacity and backhauls, one dimension ``net`` = linehaul delivered - backhaul picked up on the route,
+* Capacity and backhauls under the paper's rule (and without backhauls), one dimension ``net`` = linehaul delivered - backhaul picked up on the route,
   i.e. 1 - load in the environment's terms. Its transit on arc i -> j is the demand of j (backhauls
   negative), it has no slack and every customer's value must stay in [0, capacity]: the environment
   requires load >= d_j before a linehaul (net <= 1 after it) and load - d_j <= 1 at a backhaul (net >= 0
@@ -17,6 +17,15 @@ Model (``docs/environment.md``; integers as explained in ``common``):
   full whatever it delivers means a route's linehauls may even total more than the capacity when
   backhauls are picked up in between; the paper's OR-Tools model instead let the vehicle leave with any
   load, which is looser.) Without B this is the usual capacity dimension.
+* Classic backhaul rule (every linehaul before any backhaul, a route opens with a linehaul, deliveries and
+  pickups each within the capacity): dimensions ``delivered`` and ``picked`` within the capacity, and
+  ``order``, which counts the customers before a node with a backhaul weighing n + 1: at most n at a
+  linehaul (no backhaul before it), at least 1 at a backhaul (the route did not open with it). One vehicle
+  per linehaul.
+* Mixed backhaul rule (any order, the vehicle leaves with the route's deliveries, the load on board within
+  the capacity): dimension ``load`` (minus deliveries, plus pickups) within [0, capacity], whose value at
+  the route's start is constrained equal to the route's deliveries (dimension ``delivered`` at its end).
+  One vehicle per customer.
 * L: dimension ``length`` (arc lengths rounded up; with O, arcs into the depot are 0), at most the limit
   rounded down at every node; closed routes also need length + d(j, 0) <= limit at every customer j
   (rule 4, set as a per-node bound).
@@ -36,6 +45,7 @@ import numpy as np
 
 from mvmoe_jax.baselines import common
 from mvmoe_jax.baselines.common import Problem, SolveResult
+from mvmoe_jax.problems import CLASSIC_RULE, MIXED_RULE, PAPER_RULE
 
 NAME = "ortools"
 
@@ -59,43 +69,12 @@ def _floor(x) -> np.ndarray:
     return np.floor(np.asarray(x, np.float64) * common.SCALE + 1e-6).astype(np.int64)
 
 
-def build_model(problem: Problem, *, free_start_load: bool = False):
-    """Build the routing model. Returns (manager, routing, info) where info holds what reading the
-    solution back needs (vehicle types).
-
-    ``free_start_load`` (diagnostics only, NOT the environment's semantics): type-A vehicles may leave with
-    any load, i.e. net range <= capacity on every route, the looser backhaul model every route of the
-    paper's OR-Tools files satisfies. Its routes generally fail the environment's checker.
-    """
-    pywrapcp, _ = _import()
-    p = problem
-    n = p.num_customers
-    n1 = n + 1
-    dist = p.distances()
-    cdist = p.constraint_distances()
-    units, cap, exact = common.demand_units(p.demand)
-    units[0] = 0
-    # "linehauls" here: every customer that is not a backhaul (a zero demand is neither in the
-    # environment, which is fine on either vehicle type); only positive demands are barred from type B.
-    linehauls = [j for j in range(1, n1) if units[j] >= 0 or not p.has_backhaul]
-    backhauls = [j for j in range(1, n1) if p.has_backhaul and units[j] < 0]
-    if not p.has_backhaul and np.any(units < 0):
-        raise common.InfeasibleInstanceError("negative demands in a variant without backhauls")
-    num_a = max(len(linehauls), 1)
-    num_b = len(backhauls)
+def _paper_load(manager, routing, units, cap, linehauls, num_a, num_b, free_start_load):
+    """Paper rule (and no backhauls): one dimension ``net`` = delivered - picked up on the route, transit the
+    demand of the node arrived at, within [0, capacity] everywhere; type-A vehicles start at 0 (full),
+    type-B ones (backhauls only, after every linehaul) at the capacity (empty)."""
+    n1 = len(units)
     num_vehicles = num_a + num_b
-
-    manager = pywrapcp.RoutingIndexManager(n1, num_vehicles, 0)
-    routing = pywrapcp.RoutingModel(manager)
-
-    # Arc cost: distance (open: into the depot is free).
-    cost = np.rint(dist * common.SCALE).astype(np.int64)
-    if p.is_open:
-        cost[:, 0] = 0
-    cost_cb = routing.RegisterTransitMatrix(cost.tolist())
-    routing.SetArcCostEvaluatorOfAllVehicles(cost_cb)
-
-    # Capacity / backhaul dimension (transit = demand of the node arrived at).
     net = np.broadcast_to(units[None, :], (n1, n1)).astype(np.int64)
     net_cb = routing.RegisterTransitMatrix(net.tolist())
     routing.AddDimension(net_cb, 0, int(cap), False, "net")
@@ -111,6 +90,101 @@ def build_model(problem: Problem, *, free_start_load: bool = False):
             if units[j] == 0:
                 continue
             routing.VehicleVar(manager.NodeToIndex(j)).RemoveValues(type_b)
+
+
+def _classic_load(manager, routing, units, cap, linehauls, backhauls):
+    """Classic rule: dimensions ``delivered`` and ``picked`` (transit: what the node left delivers / picks up),
+    each within the capacity, and ``order``: transit 1 out of a linehaul, n + 1 out of a backhaul, so the value
+    on arriving at a node counts the customers before it with every backhaul weighing more than all linehauls
+    together. A linehaul's value at most n: no backhaul before it; a backhaul's at least 1: some customer before
+    it, so the route opened with a linehaul."""
+    n = len(units) - 1
+    deliver = np.maximum(units, 0)
+    pick = np.maximum(-units, 0)
+    for name, vec in (("delivered", deliver), ("picked", pick)):
+        cb = routing.RegisterUnaryTransitVector([int(v) for v in vec])
+        routing.AddDimension(cb, 0, int(cap), True, name)
+    heavy = n + 1
+    order = [0] + [1 if units[j] >= 0 else heavy for j in range(1, n + 1)]
+    cb = routing.RegisterUnaryTransitVector(order)
+    routing.AddDimension(cb, 0, n + heavy * n, True, "order")
+    dim = routing.GetDimensionOrDie("order")
+    for j in linehauls:
+        dim.CumulVar(manager.NodeToIndex(j)).SetMax(n)
+    for j in backhauls:
+        dim.CumulVar(manager.NodeToIndex(j)).SetMin(1)
+
+
+def _mixed_load(manager, routing, units, cap, num_vehicles):
+    """Mixed rule: ``load`` = what is on board on arriving at a node (transit: minus the delivery, plus the
+    pickup of the node left), within [0, capacity] everywhere, starting at the route's deliveries: the value of
+    ``delivered`` (transit: the node's delivery) at the route's end."""
+    deliver = np.maximum(units, 0)
+    cb = routing.RegisterUnaryTransitVector([int(v) for v in deliver])
+    routing.AddDimension(cb, 0, int(cap), True, "delivered")
+    cb = routing.RegisterUnaryTransitVector([int(v) for v in -units])
+    routing.AddDimension(cb, 0, int(cap), False, "load")
+    delivered = routing.GetDimensionOrDie("delivered")
+    load = routing.GetDimensionOrDie("load")
+    solver = routing.solver()
+    for v in range(num_vehicles):
+        solver.Add(load.CumulVar(routing.Start(v)) == delivered.CumulVar(routing.End(v)))
+
+
+def build_model(problem: Problem, *, free_start_load: bool = False):
+    """Build the routing model. Returns (manager, routing, info) where info holds what reading the
+    solution back needs (vehicle types, the backhaul rule).
+
+    ``free_start_load`` (diagnostics only, NOT the environment's semantics; paper rule only): type-A vehicles
+    may leave with any load, i.e. net range <= capacity on every route, the looser backhaul model every route of
+    the paper's OR-Tools files satisfies. Its routes generally fail the environment's checker.
+    """
+    pywrapcp, _ = _import()
+    p = problem
+    n = p.num_customers
+    n1 = n + 1
+    dist = p.distances()
+    cdist = p.constraint_distances()
+    units, cap, exact = common.demand_units(p.demand)
+    units[0] = 0
+    if not p.has_backhaul and np.any(units < 0):
+        raise common.InfeasibleInstanceError("negative demands in a variant without backhauls")
+    rule = p.backhaul_rule if p.has_backhaul else PAPER_RULE
+    if rule not in (PAPER_RULE, CLASSIC_RULE, MIXED_RULE):
+        raise common.BaselineError(f"instance {p.index}: unknown backhaul rule {rule}")
+    if free_start_load and rule != PAPER_RULE:
+        raise common.BaselineError("free_start_load is a variant of the paper's backhaul rule only")
+    # "linehauls" here: every customer that is not a backhaul (a zero demand is neither in the paper's rule,
+    # which is fine on either vehicle type, and counts as a linehaul under the classic rule's order).
+    linehauls = [j for j in range(1, n1) if units[j] >= 0 or not p.has_backhaul]
+    backhauls = [j for j in range(1, n1) if p.has_backhaul and units[j] < 0]
+    if rule == PAPER_RULE:
+        num_a, num_b = max(len(linehauls), 1), len(backhauls)
+    elif rule == CLASSIC_RULE:      # every route starts with a linehaul: at most one route per linehaul
+        if not linehauls:
+            raise common.InfeasibleInstanceError(
+                f"instance {p.index}: classic backhauls without a linehaul customer (a route starts with one)")
+        num_a, num_b = len(linehauls), 0
+    else:                           # mixed: any customer may be alone on a route
+        num_a, num_b = max(n, 1), 0
+    num_vehicles = num_a + num_b
+
+    manager = pywrapcp.RoutingIndexManager(n1, num_vehicles, 0)
+    routing = pywrapcp.RoutingModel(manager)
+
+    # Arc cost: distance (open: into the depot is free).
+    cost = np.rint(dist * common.SCALE).astype(np.int64)
+    if p.is_open:
+        cost[:, 0] = 0
+    cost_cb = routing.RegisterTransitMatrix(cost.tolist())
+    routing.SetArcCostEvaluatorOfAllVehicles(cost_cb)
+
+    if rule == PAPER_RULE:
+        _paper_load(manager, routing, units, cap, linehauls, num_a, num_b, free_start_load)
+    elif rule == CLASSIC_RULE:
+        _classic_load(manager, routing, units, cap, linehauls, backhauls)
+    else:
+        _mixed_load(manager, routing, units, cap, num_vehicles)
 
     # L: route length limit.
     if p.has_limit and math.isfinite(p.route_limit):
@@ -154,7 +228,7 @@ def build_model(problem: Problem, *, free_start_load: bool = False):
                 time_dim.CumulVar(routing.End(v)).SetMax(close)
 
     info = {"num_a": num_a, "num_b": num_b, "exact_demands": exact, "linehauls": linehauls,
-            "backhauls": backhauls}
+            "backhauls": backhauls, "rule": rule}
     return manager, routing, info
 
 
@@ -173,8 +247,20 @@ def _tours(manager, routing, assignment, num_vehicles: int) -> list[tuple[int, l
 
 
 def _singleton_routes(info, num_vehicles: int) -> list[list[int]]:
-    """Every customer on a route of its own (linehauls on type-A vehicles, backhauls on type-B)."""
+    """Every customer on a route of its own (paper rule: linehauls on type-A vehicles, backhauls on type-B).
+    Under the classic rule a backhaul cannot be alone: each follows a linehaul of its own while there are
+    enough, the rest are appended to the last of those routes (a start only, which the model may refuse)."""
     routes = [[] for _ in range(num_vehicles)]
+    if info["rule"] == CLASSIC_RULE:
+        for k, j in enumerate(info["linehauls"]):
+            routes[k] = [j]
+        for k, j in enumerate(info["backhauls"]):
+            routes[min(k, len(info["linehauls"]) - 1)].append(j)
+        return routes
+    if info["rule"] == MIXED_RULE:
+        for k, j in enumerate(sorted(info["linehauls"] + info["backhauls"])):
+            routes[k] = [j]
+        return routes
     for k, j in enumerate(info["linehauls"]):
         routes[k] = [j]
     for k, j in enumerate(info["backhauls"]):
@@ -185,8 +271,9 @@ def _singleton_routes(info, num_vehicles: int) -> list[list[int]]:
 def model_accepts(problem: Problem, route, *, free_start_load: bool = False) -> bool:
     """Whether the OR-Tools model admits a flat route (for checking the model against the environment).
 
-    Each sub-tour goes to a vehicle of the type the environment would start it with: full (type A)
-    while a linehaul is unserved when it starts, empty (type B) otherwise.
+    Paper rule: each sub-tour goes to a vehicle of the type the environment would start it with: full (type A)
+    while a linehaul is unserved when it starts, empty (type B) otherwise. Classic and mixed rules: the sub-tours
+    on vehicles 0, 1, ... in turn.
     """
     from mvmoe_jax.checker import split_subtours
 
@@ -196,7 +283,7 @@ def model_accepts(problem: Problem, route, *, free_start_load: bool = False) -> 
     linehaul_left = set(int(j) for j in np.flatnonzero(problem.demand > 0))
     next_a, next_b = 0, info["num_a"]
     for tour in split_subtours(route):
-        if linehaul_left or not problem.has_backhaul:
+        if linehaul_left or not problem.has_backhaul or info["rule"] != PAPER_RULE:
             if next_a >= info["num_a"]:
                 return False
             routes[next_a] = tour
@@ -213,24 +300,41 @@ def model_accepts(problem: Problem, route, *, free_start_load: bool = False) -> 
     return routing.ReadAssignmentFromRoutes(routes, False) is not None
 
 
+# First-solution strategies tried in turn: where cheapest insertion dead-ends (classic backhauls with time
+# windows, whose backhauls need a linehaul before them), building paths arc by arc often still succeeds.
+FIRST_SOLUTIONS = ("PARALLEL_CHEAPEST_INSERTION", "PATH_CHEAPEST_ARC", "LOCAL_CHEAPEST_INSERTION")
+
+
 def solve_problem(problem: Problem, time_limit: float = 20.0, log: bool = False,
                   free_start_load: bool = False) -> SolveResult:
-    """Solve one problem: parallel cheapest insertion, then guided local search for ``time_limit`` s.
-    (``free_start_load``: see ``build_model``; diagnostics only.)"""
+    """Solve one problem: parallel cheapest insertion, then guided local search for ``time_limit`` s. Should the
+    insertion find nothing, the other ``FIRST_SOLUTIONS`` and then one route per customer start the search in
+    the time left. (``free_start_load``: see ``build_model``; diagnostics only.)"""
     pywrapcp, enums = _import()
     limit_ms = common.time_limit_ms(time_limit)
     with common.Timer() as timer:
         manager, routing, info = build_model(problem, free_start_load=free_start_load)
         num_vehicles = info["num_a"] + info["num_b"]
-        params = pywrapcp.DefaultRoutingSearchParameters()
-        params.first_solution_strategy = enums.FirstSolutionStrategy.PARALLEL_CHEAPEST_INSERTION
-        params.local_search_metaheuristic = enums.LocalSearchMetaheuristic.GUIDED_LOCAL_SEARCH
-        params.time_limit.FromMilliseconds(limit_ms)
-        params.log_search = bool(log)
-        assignment = routing.SolveWithParameters(params)
-        status = "ok"
+        start = timer.now()
+
+        def params_for(strategy: str):
+            params = pywrapcp.DefaultRoutingSearchParameters()
+            params.first_solution_strategy = getattr(enums.FirstSolutionStrategy, strategy)
+            params.local_search_metaheuristic = enums.LocalSearchMetaheuristic.GUIDED_LOCAL_SEARCH
+            left_ms = limit_ms - int(1000 * (timer.now() - start))
+            params.time_limit.FromMilliseconds(max(left_ms, limit_ms // 10, 1))
+            params.log_search = bool(log)
+            return params
+
+        assignment, status = None, "ok"
+        for k, strategy in enumerate(FIRST_SOLUTIONS):
+            params = params_for(strategy)
+            assignment = routing.SolveWithParameters(params)
+            if assignment is not None:
+                status = "ok" if k == 0 else f"ok (first solution: {strategy.lower()})"
+                break
         if assignment is None:
-            # Insertion found nothing: start the local search from one route per customer instead.
+            # No strategy found a first solution: start the local search from one route per customer instead.
             initial = routing.ReadAssignmentFromRoutes(_singleton_routes(info, num_vehicles), True)
             if initial is None:
                 raise common.InfeasibleInstanceError(
@@ -266,14 +370,14 @@ def solve(instances, *, time_limit: float = 20.0, workers: int = 1, progress: bo
 
 
 def _vehicle_routes(problem: Problem, info, route) -> list[list[int]]:
-    """A flat route's tours on the model's vehicles: tours holding a linehaul on type A (they leave full), tours of
-    backhauls only on type B (they leave empty)."""
+    """A flat route's tours on the model's vehicles: paper rule, tours holding a linehaul on type A (they leave
+    full), tours of backhauls only on type B (they leave empty); classic and mixed rules, on vehicles 0, 1, ..."""
     from mvmoe_jax.checker import split_subtours
 
     routes = [[] for _ in range(info["num_a"] + info["num_b"])]
     next_a, next_b = 0, info["num_a"]
     for tour in split_subtours(route):
-        if not problem.has_backhaul or any(problem.demand[v] > 0 for v in tour):
+        if not problem.has_backhaul or info["rule"] != PAPER_RULE or any(problem.demand[v] > 0 for v in tour):
             routes[next_a], next_a = tour, next_a + 1
         else:
             routes[next_b], next_b = tour, next_b + 1

@@ -71,19 +71,35 @@ def check_start(rules: RouteRules, routes: Sequence[Sequence[int]]) -> None:
                                    f"{int(np.flatnonzero(~ok)[0])}: {list(routes[int(np.flatnonzero(~ok)[0])])}")
 
 
-def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_segment: int):
-    """One round: the new routes of the moves applied, {row: route}, and the kinds applied; empty when none."""
+def _round(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, max_segment: int,
+           deadline: float | None = None):
+    """One round: the new routes of the moves applied, {row: route}, the kinds applied, and whether every improving
+    candidate was looked at. Improving candidates are replayed best first, ``MAX_REPLAYED`` at a time, until a batch
+    holds a feasible one, none is left, or ``time.perf_counter()`` passes ``deadline`` (then the round is
+    incomplete: finding nothing does not make a local optimum)."""
     found = [mv.GENERATORS[k](layout, rules.arc, max_segment) if k == "relocate" else mv.GENERATORS[k](layout, rules.arc)
              for k in kinds]
     if not found:
-        return {}, []
+        return {}, [], True
     delta = np.concatenate([c.delta for c in found])
     kind_of = np.concatenate([np.full(len(c.delta), n) for n, c in enumerate(found)])
     index = np.concatenate([np.arange(len(c.delta)) for c in found])
     improving = np.flatnonzero(delta < -MIN_GAIN)
-    if improving.size == 0:
-        return {}, []
-    improving = improving[np.argsort(delta[improving], kind="stable")][:MAX_REPLAYED]
+    improving = improving[np.argsort(delta[improving], kind="stable")]
+    for start in range(0, improving.size, MAX_REPLAYED):
+        if start and deadline is not None and time.perf_counter() > deadline:
+            return {}, [], False
+        changed, applied = _apply_batch(rules, layout, costs, kinds, found, kind_of, index,
+                                        improving[start:start + MAX_REPLAYED])
+        if changed:
+            return changed, applied, True
+    return {}, [], True
+
+
+def _apply_batch(rules: RouteRules, layout: mv.Layout, costs: np.ndarray, kinds, found, kind_of, index,
+                 improving: np.ndarray):
+    """Replay the candidates ``improving`` (indices into the concatenated candidates, best first) and apply,
+    best first, each feasible one that touches no route an earlier one touched: ({row: route}, kinds applied)."""
     # Gathered kind by kind, then put back in the order of their cost change.
     parts = [mv.build(layout, found[n].take(index[improving[kind_of[improving] == n]])) for n in range(len(found))]
     order = np.argsort(np.argsort(kind_of[improving], kind="stable"), kind="stable")
@@ -134,10 +150,11 @@ def improve(rules: RouteRules, routes: Sequence[Sequence[int]], *, kinds: Sequen
         layout = mv.Layout.from_routes(current, rules.num_customers)
         padded, _ = pad_routes(current)
         costs = np.append(route_costs(rules, padded), 0.0)           # the empty row costs nothing
-        changed, kinds_applied = _round(rules, layout, costs, list(kinds), max_segment)
+        deadline = None if time_limit is None else t0 + time_limit
+        changed, kinds_applied, complete = _round(rules, layout, costs, list(kinds), max_segment, deadline)
         rounds += 1
         if not changed:
-            optimum = True
+            optimum = complete
             break
         for k in kinds_applied:
             applied[k] += 1
