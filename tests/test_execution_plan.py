@@ -1,6 +1,6 @@
-"""The execution plan (mvmoe_jax/execution.py): every field, turned on alone against the ``reference`` plan,
-decodes the same tours in inference and takes the same training step (equal gradients within float
-tolerance); the presets, the overrides and their errors."""
+"""The execution plan (mvmoe_jax/execution.py): every field, turned on against the ``reference`` plan (with the
+others in two combined plans; alone with the slow tests), decodes the same tours in inference and takes the same
+training step (equal gradients within float tolerance); the presets, the overrides and their errors."""
 
 from __future__ import annotations
 
@@ -93,18 +93,43 @@ def reference_greedy(params, batch):
     return _greedy(REFERENCE, params, batch)
 
 
-# Fields that only training reads: the greedy evaluation compiles to the reference's program (the first line) or,
-# for the cases that need the decoder record, to fused_readout's. Their cases run with the slow tests; the others
-# in the default suite.
-TRAINING_ONLY = ("attention_vjp", "backward", "products_against_transposes", "replay_remat", "replay_steps_at_once",
-                 "sampling_chunk_trajectories", "keys_major_weights", "row_sums_from_output", "reuse_sampling")
-# Fields that take effect at larger sizes only: lane reductions from 32 nodes on, so that at these 21 both tests
-# compile the reference's programs (tests/test_fast_paths.py checks the reductions in lanes). With the slow tests.
-LARGER_SIZES_ONLY = ("lane_reductions",)
+# Every field alone is a compilation of its own, so the default suite runs the fields together, in the two plans
+# below, and each field alone with the slow tests. The plans split the fields by what they need: A the grouped
+# experts and the replayed backward, B the grouped MLP and the stepwise backward with its decoder record.
+COMBINED_PLANS = {
+    "A": dict(moe_dispatch="grouped", grouped_by_expert=True, grouped_blocks_as_one_product=True, moe_sort_groups=2,
+              gates_by_rank=True, fused_readout=True, readout_column_multiple=16, mix_maps_elementwise=True,
+              fused_query=True, query_table_multiple=8, query_table_max_columns=16, score_bound_instances=1000,
+              merge_heads_by_slices=True, normalise_after_product=True, eval_chunk_trajectories=100,
+              attention_vjp=True, products_against_transposes=True, replay_steps_at_once=3, replay_remat=True),
+    "B": dict(RECORD, moe_dispatch="grouped_mlp", grouped_min_assignments=100, encoder_tokens=3264,
+              eval_chunk_trajectories=100, keys_major_weights=True, row_sums_from_output=True,
+              sampling_chunk_trajectories=40, lane_reductions=True),
+}
+# Fields that a plan's other fields make inert (the replay's fields under the stepwise backward).
+REPLAY_ONLY = ("replay_steps_at_once", "replay_remat")
 
 
-@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in TRAINING_ONLY + LARGER_SIZES_ONLY
-                                   else f for f in sorted(FIELD_CASES)])
+def test_every_field_is_on_in_a_combined_plan():
+    """Each field's case holds in one of the combined plans, and in a plan where nothing makes it inert."""
+    for name, changes in FIELD_CASES.items():
+        homes = [key for key, plan in COMBINED_PLANS.items() if changes.items() <= plan.items()]
+        assert homes, f"{name}: no combined plan turns it on as its case does"
+        if name in REPLAY_ONLY:
+            assert any(COMBINED_PLANS[key].get("backward", REFERENCE.backward) == "replay" for key in homes), name
+
+
+@pytest.mark.parametrize("combined", sorted(COMBINED_PLANS))
+def test_the_combined_fields_decode_the_reference_tours(combined, params, batch, reference_greedy):
+    """Greedy x8 from every start under many fields at once: the reference's tours and costs."""
+    got = _greedy(REFERENCE.replace(**COMBINED_PLANS[combined]), params, batch)
+    np.testing.assert_array_equal(got.best_actions, reference_greedy.best_actions)
+    np.testing.assert_allclose(got.obj, reference_greedy.obj, rtol=1e-6)
+    np.testing.assert_allclose(got.obj_no_aug, reference_greedy.obj_no_aug, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", sorted(FIELD_CASES))
 def test_one_field_decodes_the_reference_tours(field, params, batch, reference_greedy):
     """Greedy x8 from every start: the same best tour of every instance, the same costs to float rounding."""
     got = _greedy(REFERENCE.replace(**FIELD_CASES[field]), params, batch)
@@ -136,24 +161,26 @@ def reference_step(params, batch):
     return _training_step(REFERENCE, params, batch)
 
 
-# Fields that only forward-only passes read (inference, validation): the training step compiles to the
-# reference's program. Their cases run with the slow tests; the others in the default suite.
-FORWARD_ONLY = ("gates_by_rank", "grouped_by_expert", "score_bound_instances", "mix_maps_elementwise",
-                "normalise_after_product", "eval_chunk_trajectories", "encoder_tokens", "query_table_multiple",
-                "query_table_max_columns")
-
-
-@pytest.mark.parametrize("field", [pytest.param(f, marks=pytest.mark.slow) if f in FORWARD_ONLY + LARGER_SIZES_ONLY
-                                   else f for f in sorted(FIELD_CASES)])
-def test_one_field_takes_the_reference_training_step(field, params, batch, reference_step):
+def _assert_the_reference_step(plan, params, batch, reference_step):
     """The same sampled tours (equal mean cost) and, for every parameter, the reference's gradient."""
-    score, grads = _training_step(REFERENCE.replace(**FIELD_CASES[field]), params, batch)
+    score, grads = _training_step(plan, params, batch)
     want_score, want = reference_step
     assert score == pytest.approx(want_score, rel=1e-6)
     scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want))
     for (path, expected), got in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(grads)):
         np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-5 * scale,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("combined", sorted(COMBINED_PLANS))
+def test_the_combined_fields_take_the_reference_training_step(combined, params, batch, reference_step):
+    _assert_the_reference_step(REFERENCE.replace(**COMBINED_PLANS[combined]), params, batch, reference_step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", sorted(FIELD_CASES))
+def test_one_field_takes_the_reference_training_step(field, params, batch, reference_step):
+    _assert_the_reference_step(REFERENCE.replace(**FIELD_CASES[field]), params, batch, reference_step)
 
 
 def test_presets():

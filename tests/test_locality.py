@@ -194,7 +194,7 @@ def test_the_bias_is_differentiable(params):
             logp = policy.apply(p, cache, current, rollout.dynamic_features(states), mask, None, True,
                                 method=Policy.decode, rngs={"gating": jax.random.key(1)})[0]
             return jnp.sum(jnp.where(jnp.isfinite(logp), logp, 0.0) * jax.nn.one_hot(chosen, N + 1))
-        return jax.grad(picked)(params)
+        return jax.jit(jax.grad(picked))(params)
 
     on, off = gradient(with_options(distance_bias=1.0, candidates=5)), gradient(CFG)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(on))
