@@ -134,6 +134,19 @@ def _random_rollouts(batch, key):
     return jax.vmap(one)(batch, jax.random.split(key, batch.locs.shape[0]))
 
 
+def _two_swapped(routes, seed: int) -> list[list[int]]:
+    """Each route (a node sequence with depot zeros) with two of its customers, drawn at random, swapped."""
+    rng = np.random.default_rng(seed)
+    swapped = []
+    for r in routes:
+        r = list(r)
+        idx = [i for i, v in enumerate(r) if v]
+        i, j = rng.choice(idx, 2, replace=False)
+        r[i], r[j] = r[j], r[i]
+        swapped.append(r)
+    return swapped
+
+
 @pytest.mark.parametrize("variant", problems.VARIANT_NAMES)
 def test_ortools_model_admits_exactly_env_routes(ortools_solver, variant):
     """Random feasible rollouts of the environment (which mix linehauls and backhauls, end with
@@ -143,14 +156,7 @@ def test_ortools_model_admits_exactly_env_routes(ortools_solver, variant):
     acts, finished = _random_rollouts(batch, jax.random.PRNGKey(problems.VARIANT_NAMES.index(variant)))
     assert bool(np.all(finished))
     routes = [checker.actions_to_route(a) for a in np.asarray(acts)]
-    rng = np.random.default_rng(0)
-    swapped = []
-    for r in routes:
-        r = list(r)
-        idx = [i for i, v in enumerate(r) if v]
-        i, j = rng.choice(idx, 2, replace=False)
-        r[i], r[j] = r[j], r[i]
-        swapped.append(r)
+    swapped = _two_swapped(routes, seed=0)
     probs = common.problems_from_instances(batch)
     for rs in (routes, swapped):
         checks = checker.check_routes(batch, rs)
@@ -245,14 +251,7 @@ def test_ortools_model_admits_exactly_env_routes_under_each_rule(ortools_solver,
     """Under the classic and mixed rules too, the model admits every finished random rollout of the
     environment, and a route with two customers swapped exactly when the checker accepts it."""
     batch, routes = _solvable_batch(variant, rule, 10, seed=7)
-    rng = np.random.default_rng(1)
-    swapped = []
-    for r in routes:
-        r = list(r)
-        idx = [i for i, v in enumerate(r) if v]
-        i, j = rng.choice(idx, 2, replace=False)
-        r[i], r[j] = r[j], r[i]
-        swapped.append(r)
+    swapped = _two_swapped(routes, seed=1)
     probs = common.problems_from_instances(batch)
     assert all(p.backhaul_rule == problems.backhaul_rule_index(rule) for p in probs)
     verdicts = []

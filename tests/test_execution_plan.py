@@ -93,6 +93,14 @@ def reference_greedy(params, batch):
     return _greedy(REFERENCE, params, batch)
 
 
+def _assert_the_reference_tours(plan, params, batch, reference_greedy):
+    """Greedy x8 from every start: the same best tour of every instance, the same costs to float rounding."""
+    got = _greedy(plan, params, batch)
+    np.testing.assert_array_equal(got.best_actions, reference_greedy.best_actions)
+    np.testing.assert_allclose(got.obj, reference_greedy.obj, rtol=1e-6)
+    np.testing.assert_allclose(got.obj_no_aug, reference_greedy.obj_no_aug, rtol=1e-6)
+
+
 # Every field alone is a compilation of its own, so the default suite runs the fields together, in the two plans
 # below, and each field alone with the slow tests. The plans split the fields by what they need: A the grouped
 # experts and the replayed backward, B the grouped MLP and the stepwise backward with its decoder record.
@@ -121,21 +129,13 @@ def test_every_field_is_on_in_a_combined_plan():
 
 @pytest.mark.parametrize("combined", sorted(COMBINED_PLANS))
 def test_the_combined_fields_decode_the_reference_tours(combined, params, batch, reference_greedy):
-    """Greedy x8 from every start under many fields at once: the reference's tours and costs."""
-    got = _greedy(REFERENCE.replace(**COMBINED_PLANS[combined]), params, batch)
-    np.testing.assert_array_equal(got.best_actions, reference_greedy.best_actions)
-    np.testing.assert_allclose(got.obj, reference_greedy.obj, rtol=1e-6)
-    np.testing.assert_allclose(got.obj_no_aug, reference_greedy.obj_no_aug, rtol=1e-6)
+    _assert_the_reference_tours(REFERENCE.replace(**COMBINED_PLANS[combined]), params, batch, reference_greedy)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("field", sorted(FIELD_CASES))
 def test_one_field_decodes_the_reference_tours(field, params, batch, reference_greedy):
-    """Greedy x8 from every start: the same best tour of every instance, the same costs to float rounding."""
-    got = _greedy(REFERENCE.replace(**FIELD_CASES[field]), params, batch)
-    np.testing.assert_array_equal(got.best_actions, reference_greedy.best_actions)
-    np.testing.assert_allclose(got.obj, reference_greedy.obj, rtol=1e-6)
-    np.testing.assert_allclose(got.obj_no_aug, reference_greedy.obj_no_aug, rtol=1e-6)
+    _assert_the_reference_tours(REFERENCE.replace(**FIELD_CASES[field]), params, batch, reference_greedy)
 
 
 def _training_step(plan, params, batch, cfg=CFG):
