@@ -14,6 +14,7 @@ import pytest
 
 from mvmoe_jax import execution, instances, rollout, training
 from mvmoe_jax.nn.policy import PolicyConfig
+from test_fast_paths import perturbed_params
 
 N = 20
 CFG = PolicyConfig(model="mvmoe", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
@@ -69,11 +70,7 @@ def test_every_field_has_a_case():
 @pytest.fixture(scope="module")
 def params():
     """Initial parameters with the (zero-initialised) gates made random, so that routing varies."""
-    params = training.init_params(CFG, jax.random.key(0), N)
-    rng = np.random.default_rng(0)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) if "w_gate" in jax.tree_util.keystr(path)
-        else x, params)
+    return perturbed_params(CFG)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mvmoe_jax import checker, cli, execution, instances, rollout, shipped, training
+from mvmoe_jax import checker, cli, execution, instances, rollout, shipped
 from mvmoe_jax.nn import locality
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.solve import api
 from mvmoe_jax.solve.__main__ import main
+from test_fast_paths import perturbed_params
 
 N = 20
 CFG = PolicyConfig(model="mvmoe", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
@@ -31,11 +32,7 @@ REFERENCE = execution.reference()
 @pytest.fixture(scope="module")
 def params():
     """Initial parameters with the (zero-initialised) gates made random, so that routing varies."""
-    params = training.init_params(CFG, jax.random.key(0), N)
-    rng = np.random.default_rng(0)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) if "w_gate" in jax.tree_util.keystr(path)
-        else x, params)
+    return perturbed_params(CFG)
 
 
 def mixed_batch(n: int, variants=("CVRP", "VRPBLTW", "OVRPTW", "VRPL"), seed: int = 0):
