@@ -462,6 +462,35 @@ def test_nothing_is_written_for_a_route_the_checker_refuses(tmp_path, shipped_sm
     assert entry["feasible"] is False and entry["files"] == {} and entry["routes"] is None
 
 
+def _classic(second_pickup):
+    """SQUARE's three customers under the classic rule: one delivery of 3 at (10, 0), then pickups of 20 at (0, 20)
+    and of ``second_pickup`` at (5, 5), capacity 30. The only delivery opens the only route its pickups may use."""
+    return {"capacity": 30, "depot": SQUARE[0].tolist(), "customers": SQUARE[1:].tolist(),
+            "demand": [3, -20, -second_pickup], "backhauls": "classic", "best_known": 50.0}
+
+
+def test_an_instance_every_rollout_dead_ends_on_is_reported_unsolved_beside_the_solved(tmp_path, shipped_small, capsys):
+    """Pickups of 20 and 20 with one delivery to open their route: each alone fits after it, both do not (40 on a
+    capacity of 30), so no solution exists and every rollout ends stranded. Beside it, the same instance with a
+    pickup of 5 solves: the batch goes on, the stranded one has no file, no gap and no cost."""
+    write(tmp_path / "stuck.json", json.dumps(_classic(20)))
+    write(tmp_path / "fine.json", json.dumps(_classic(5)))
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "stuck.json"), str(tmp_path / "fine.json"), f"--output={out}", "--no_progress"]) == 1
+    captured = capsys.readouterr()
+    assert f"error: stuck: {api.NO_SOLUTION}; nothing written for it" in captured.err
+    stuck_line = next(line for line in captured.out.splitlines() if line.startswith("stuck"))
+    assert stuck_line.endswith("no solution found") and "50.0" in stuck_line
+    assert "mean gap over 1 instance(s)" in captured.out
+    assert not (out / "stuck.sol").exists() and (out / "fine.sol").exists()
+    entries = {e["name"]: e for e in json.loads((out / "summary.json").read_text())["instances"]}
+    assert entries["stuck"]["found"] is False and entries["stuck"]["gap"] is None
+    assert entries["stuck"]["routes"] is None and entries["stuck"]["violation"] == api.NO_SOLUTION
+    assert entries["fine"]["found"] is True and entries["fine"]["feasible"] is True
+    routes = vrplib.read_solution(str(out / "fine.sol"))["routes"]
+    assert sorted(v for r in routes for v in r) == [1, 2, 3]
+
+
 def test_costs_below_a_best_known_value_and_a_file_cut_short_are_warned(tmp_path, shipped_small, capsys):
     """A Solomon file cut short (4 customers named C101, 100 customers in Solomon's set): C101's best-known value
     is not used, and the warning says why; a cost below a stated best-known value is warned with both values."""

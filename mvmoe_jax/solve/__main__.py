@@ -148,7 +148,8 @@ def main(argv=None, *, setup_process: bool = False) -> int:
         print(_local_search_line(report.solutions), flush=True)
     failed = [s for s in report.solutions if not s.feasible]
     for s in failed:
-        print(f"error: {s.name}: the route fails the checker ({s.violation}); nothing written for it", file=sys.stderr)
+        why = f"the route fails the checker ({s.violation})" if s.found else s.violation
+        print(f"error: {s.name}: {why}; nothing written for it", file=sys.stderr)
     for r in report.refused:
         print(f"refused: {r.error}", file=sys.stderr)
     for w in report.warnings:

@@ -34,6 +34,8 @@ from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
 
 SUMMARY_FILE = "summary.json"
 IMPROVERS = ("none", "ls")   # what runs on the search's solution: nothing, or the local search (mvmoe_jax.local_search)
+NO_SOLUTION = ("no solution found: every rollout reached a dead end, customers left that no move allowed by the "
+               "instance's rules could serve")
 COST_RTOL = 1e-4          # the file-unit cost and the checker's (float32, unit square) must agree this well
 
 
@@ -60,7 +62,11 @@ class Solution:
                     with time windows and Solomon files, else ``exact``) and the same routes' cost under it (the
                     ``.sol`` file's Cost).
       greedy_cost:  greedy x8's exact cost in the same units (the search started from it; cost <= greedy_cost).
-      best_known, gap: a best-known cost and the gap to it in percent (from convention_cost), or None.
+      best_known, gap: a best-known cost and the gap to it in percent (from convention_cost; None when the
+                    solution is not feasible), or None.
+      found:        a rollout completed a solution (False where every start of every search ran into a dead end,
+                    e.g. backhauls left under the classic rule with no linehaul to open their route: then ``routes``
+                    is the incomplete attempt, ``cost`` its length and ``violation`` says so).
       feasible:     the checker replayed the routes: every rule kept, every customer served, the cost agreeing.
       violation:    the checker's finding when not feasible, else None.
       seconds:      the instance's share of its batch's search time (compilation excluded); greedy_seconds
@@ -107,6 +113,7 @@ class Solution:
     improve: str = "none"
     improve_seconds: float = 0.0
     searched_cost: float | None = None
+    found: bool = True
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     adapted: np.ndarray | None = dataclasses.field(default=None, repr=False)
 
@@ -174,8 +181,9 @@ def _groups(problems: Sequence[Problem], batch_size: int | None) -> list[list[in
 
 
 def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check: checker.RouteCheck,
-              unit_cost: float, **fields) -> Solution:
-    """The better of the searched and greedy routes by their cost in the input's units, checked."""
+              unit_cost: float, greedy_unit_cost: float, **fields) -> Solution:
+    """The better of the searched and greedy routes by their cost in the input's units, checked. ``unit_cost``
+    and ``greedy_unit_cost`` are the search's and greedy's costs in the unit square (+inf: nothing found)."""
     is_open = bool(p.instance.is_open)
     searched = checker.split_subtours(checker.actions_to_route(actions))
     greedy = checker.split_subtours(checker.actions_to_route(greedy_actions))
@@ -187,14 +195,17 @@ def _solution(p: Problem, actions: np.ndarray, greedy_actions: np.ndarray, check
         violation = f"cost {unit_cost:.7g} reported but the checker's is {check.cost:.7g}"
     elif check.feasible and abs(check.cost * p.scale - cost) > COST_RTOL * max(cost, 1e-12):
         violation = f"cost {cost:.7g} in the input's units but the checker's is {check.cost * p.scale:.7g}"
-    if greedy_cost < cost:          # float rounding only: the search compared float32 costs
+    found = bool(np.isfinite(unit_cost))
+    if not found:
+        violation = NO_SOLUTION
+    if found and np.isfinite(greedy_unit_cost) and greedy_cost < cost:   # float rounding only: the search compared float32 costs
         searched, cost = greedy, greedy_cost
     stated = checker.tours_cost(p.coords, searched, is_open, convention=p.cost_convention)
-    gap = None if p.best_known is None else (stated - p.best_known) / p.best_known * 100.0
+    gap = None if p.best_known is None or violation else (stated - p.best_known) / p.best_known * 100.0
     return Solution(name=p.name, source=p.source, variant=p.variant, backhaul_rule=p.backhaul_rule,
                     num_customers=p.num_customers, routes=searched, cost=cost, cost_convention=p.cost_convention,
                     convention_cost=stated, greedy_cost=greedy_cost, best_known=p.best_known, gap=gap,
-                    feasible=violation is None, violation=violation, **fields)
+                    found=found, feasible=violation is None, violation=violation, **fields)
 
 
 def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple[str, PolicyConfig, dict]], *,
@@ -248,7 +259,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         checks = checker.check_routes(real, routes)
         for j, (i, p) in enumerate(zip(idx, group)):
             searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
-            out[i] = _solution(p, routes[j], res.greedy_actions[j], checks[j], costs[j],
+            out[i] = _solution(p, routes[j], res.greedy_actions[j], checks[j], costs[j], float(res.greedy_cost[j]),
                                improve=improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
                                seconds=res.seconds / len(group), greedy_seconds=res.greedy_seconds / len(group),
                                compile_seconds=res.compile_seconds / len(group), starts=res.plans["greedy"].starts, search=search,

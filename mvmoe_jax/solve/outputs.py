@@ -76,10 +76,10 @@ def table(solutions, search: str) -> str:
     lines = [head]
     for s in solutions:
         line = f"{s.name[:24]:24s} {variant_label(s.variant, s.backhaul_rule):16s} {s.num_customers:5d} {s.starts:6d} " \
-               f"{s.cost:12.3f}"
-        line += f" {s.greedy_cost:12.3f}" if more else ""
+               f"{_fmt(s.cost if s.found else None, '12.3f')}"
+        line += f" {_fmt(s.greedy_cost if s.found else None, '12.3f')}" if more else ""
         line += (f" {_fmt(s.best_known, '11.1f')} {_fmt(s.gap, '7.2f')} {s.seconds:7.2f}  "
-                 f"{'ok' if s.feasible else s.violation}")
+                 f"{'ok' if s.feasible else s.violation if s.found else 'no solution found'}")
         lines.append(line)
     gaps = [s.gap for s in solutions if s.gap is not None]
     if gaps:
