@@ -19,7 +19,7 @@ import pytest
 from mvmoe_jax import checker, cli, execution, instances, rollout, shipped
 from mvmoe_jax.nn import locality
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
-from mvmoe_jax.solve import api
+from mvmoe_jax.solve import api, models
 from mvmoe_jax.solve.__main__ import main
 from test_fast_paths import perturbed_params
 
@@ -213,6 +213,7 @@ def test_the_decoder_cache_needs_the_coordinates_when_the_options_read_them(para
 def shipped_small(tmp_path, monkeypatch, params):
     root = tmp_path / "shipped"
     shipped.export(root / "small_n20", params, CFG, {"config": {"problem_size": 20}})
+    shipped.export(root / "small_n10", params, CFG, {"config": {"problem_size": 10}})
     monkeypatch.setattr(shipped, "SHIPPED_DIR", root)
     return root
 
@@ -232,16 +233,46 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
     path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
     out = tmp_path / "out"
     assert main([str(path), f"--output={out}", "--no_progress", "--distance_bias=0.5", "--candidates=4"]) == 0
-    assert "small_n20 decodes with distance_bias 0.5, candidates 4" in capsys.readouterr().out
+    assert "n = 20: model small_n20, decoding with distance_bias 0.5, candidates 4\n" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["decoding"] == {"small_n20": {"distance_bias": 0.5, "candidates": 4}}
+    assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "candidates": 4,
+                                          "size_default": []}}
     assert summary["instances"][0]["feasible"]
     assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
+    assert "n = 20: model small_n20\n" in capsys.readouterr().out
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-    assert plain["decoding"] == {"small_n20": {"distance_bias": 0.0, "candidates": 0}}
+    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "candidates": 0, "size_default": []}}
     assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: candidates must be a whole number of nodes >= 0 (0: all), got -1"]
+
+
+def test_instances_twice_the_training_size_get_the_distance_bias_unless_told_otherwise(tmp_path, shipped_small, capsys):
+    """small_n10 was trained at n = 10: on n = 20 the solver decodes with the size default, says so and records it;
+    options given on the command line win over it."""
+    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
+    assert main([str(path), "--checkpoint=small_n10", f"--output={tmp_path / 'biased'}", "--no_progress"]) == 0
+    assert ("n = 20: model small_n10, decoding with distance_bias 1 (the default from 2x the training size; "
+            "--distance_bias=0 turns it off)") in capsys.readouterr().out
+    biased = json.loads((tmp_path / "biased" / "summary.json").read_text())
+    assert biased["decoding"] == {"20": {"model": "small_n10", "distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS,
+                                         "candidates": 0, "size_default": ["distance_bias"]}}
+    assert biased["instances"][0]["feasible"]
+    assert main([str(path), "--checkpoint=small_n10", "--distance_bias=0", "--candidates=5",
+                 f"--output={tmp_path / 'told'}", "--no_progress"]) == 0
+    told = json.loads((tmp_path / "told" / "summary.json").read_text())
+    assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "candidates": 5, "size_default": []}
+
+
+def test_the_size_default_follows_the_training_size_and_yields_to_the_model_and_the_user():
+    assert models.size_default_decoding(50, 99) == {} and models.size_default_decoding(None, 1000) == {}
+    assert models.size_default_decoding(50, 100) == {"distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS}
+    cfg, by_size = models.decoding_for(CFG, 50, 200, {"candidates": 30})
+    assert (cfg.distance_bias, cfg.candidates, by_size) == (models.SIZE_DEFAULT_DISTANCE_BIAS, 30, ["distance_bias"])
+    own = dataclasses.replace(CFG, distance_bias=0.3)
+    assert models.decoding_for(own, 50, 200, {}) == (own, [])          # a model with options of its own keeps them
+    cfg, by_size = models.decoding_for(CFG, 50, 200, {"distance_bias": 0.0})
+    assert (cfg.distance_bias, by_size) == (0.0, [])
 
 
 def test_evaluation_takes_the_options_and_reports_them(tmp_path, shipped_small):

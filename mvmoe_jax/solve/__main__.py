@@ -58,8 +58,9 @@ def _parser(searches) -> argparse.ArgumentParser:
                         "mvmoe_jax/solve/outputs.py)")
     p.add_argument("--distance_bias", type=float, default=None, metavar="ALPHA",
                    help="add -ALPHA * log2(n) * d(current, j) to the decoder's logits, favouring near nodes on "
-                        "instances larger than the model's training size (0: off; default: the model's, off for the "
-                        "shipped ones; mvmoe_jax/nn/locality.py)")
+                        "instances larger than the model's training size (0: off; default: the model's own, and for a "
+                        "shipped model without one 1 on instances of at least twice its training size; "
+                        "mvmoe_jax/nn/locality.py)")
     p.add_argument("--candidates", type=int, default=None, metavar="K",
                    help="each step chooses among the K feasible customers nearest the current node, and the depot "
                         "(0: all; default: the model's, all for the shipped ones)")

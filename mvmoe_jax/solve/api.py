@@ -29,7 +29,7 @@ from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.solve import eas, outputs, sgbs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
-from mvmoe_jax.solve.models import Models
+from mvmoe_jax.solve.models import BIAS_FROM_SIZE_RATIO, Models, decoding_for, trained_size_of
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
 
 SUMMARY_FILE = "summary.json"
@@ -132,8 +132,10 @@ class SolveReport:
     size; seconds: the whole run's wall time; compile_seconds: compilation within it (search_seconds: the
     search's, which time limits count); warnings: one line each (a cost below a best-known value, a best-known
     value left out, a search that ran no round: ``outputs``); summary_file and
-    adapted_file: what was written (``outputs.write_adapted``); decoding: per checkpoint, the distance-aware
-    decoding options it decoded with ({"distance_bias": alpha, "candidates": k}, ``nn/locality.py``)."""
+    adapted_file: what was written (``outputs.write_adapted``); decoding: per size (its key the number of
+    customers as text), the model and the distance-aware decoding options it decoded with ({"model": name,
+    "distance_bias": alpha, "candidates": k, "size_default": the options the size default chose},
+    ``nn/locality.py``, ``models.decoding_for``)."""
 
     solutions: list[Solution]
     refused: list[Refused]
@@ -235,14 +237,15 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         group = [problems[i] for i in idx]
         n = group[0].num_customers
         name, cfg, params = model_for(n)
-        if name not in decoders:
-            decoders[name] = Decoder(cfg, params, settings, execution)
+        if (name, cfg) not in decoders:        # sizes decoded with other options (models.decoding_for) apart
+            decoders[name, cfg] = Decoder(cfg, params, settings, execution)
+        decoder = decoders[name, cfg]
         where = f"n={n}" + (f", batch {b + 1} of {len(groups)}" if len(groups) > 1 else "")
-        decoders[name].on_stage = lambda stage, where=where: bar.set_postfix_str(f"{where}: {stage}")
+        decoder.on_stage = lambda stage, where=where: bar.set_postfix_str(f"{where}: {stage}")
         size = batch_size or max(1, min(64, 3200 // n))
         size = min(size, len([p for p in problems if p.num_customers == n]))
         batch = stack([p.instance for p in group] + [group[0].instance] * (size - len(group)))
-        res = SEARCHES[search](decoders[name], batch, jax.random.fold_in(base, b), len(group))
+        res = SEARCHES[search](decoder, batch, jax.random.fold_in(base, b), len(group))
         compile_s += res.compile_seconds
         for kind, plan in res.plans.items():
             what, described = f"n={n} {kind}", plan.describe()
@@ -253,9 +256,9 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         searched = [checker.actions_to_route(a) for a in res.actions[:len(group)]]
         routes, costs, improve_s = searched, [float(c) for c in res.cost[:len(group)]], [0.0] * len(group)
         if improve == "ls":
-            decoders[name].on_stage("local search")
+            decoder.on_stage("local search")
             routes, costs, improve_s = _local_search(real, searched, costs)
-        decoders[name].on_stage("checking and writing")
+        decoder.on_stage("checking and writing")
         checks = checker.check_routes(real, routes)
         for j, (i, p) in enumerate(zip(idx, group)):
             searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
@@ -325,11 +328,15 @@ def check_output_folder(output: str | None) -> None:
         raise ValueError(f"--output {output} {where}; give a folder for the .sol files and {SUMMARY_FILE}")
 
 
-def _model_lines(names: dict[int, str], decoding: dict[str, dict]) -> list[str]:
-    """The lines that say which checkpoint solves each size and with which decoding options."""
-    lines = [f"n = {size}: model {name}" for size, name in names.items()]
-    lines += [f"{name} decodes with " + ", ".join(f"{k} {v}" for k, v in options.items())
-              for name, options in decoding.items() if any(options.values())]
+def _model_lines(decoding: dict[str, dict]) -> list[str]:
+    """One line per size: the checkpoint that solves it and the decoding options it decodes with (saying which
+    the size default chose)."""
+    lines = []
+    for size, d in decoding.items():
+        options = [f"{k} {d[k]:g}" + (f" (the default from {BIAS_FROM_SIZE_RATIO}x the training size; "
+                                       f"--{k}=0 turns it off)" if k in d["size_default"] else "")
+                   for k in ("distance_bias", "candidates") if d[k]]
+        lines.append(f"n = {size}: model {d['model']}" + (", decoding with " + ", ".join(options) if options else ""))
     return lines
 
 
@@ -356,7 +363,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     instance (and with ``plot`` a PNG) and ``summary.json``; None writes nothing. execution: the execution plan
     (None: the default backend's preset; results do not depend on it). distance_bias, candidates: the
     distance-aware decoding options (``PolicyConfig`` fields, ``nn/locality.py``; 0: off) for every model;
-    None: each model's own (off for the shipped ones). log: called with a line as soon as it is known (the model
+    None: each model's own, and for a model without any, the size default (``models.decoding_for``: the
+    distance bias on instances of at least twice a shipped model's training size). log: called with a line as soon as it is known (the model
     for each size, decoding options, each program's decoding plan), before the solving it describes ends.
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
@@ -389,16 +397,19 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     for name in dict.fromkeys(names.values()):
         models.load(name)                     # every checkpoint read before anything is solved or written
 
-    options = {k: v for k, v in (("distance_bias", distance_bias), ("candidates", candidates)) if v is not None}
-    # Bad values are refused here, before anything is solved or written.
-    configs = {name: dataclasses.replace(models.load(name)[0], **options) for name in dict.fromkeys(names.values())}
+    given = {k: v for k, v in (("distance_bias", distance_bias), ("candidates", candidates)) if v is not None}
+    # Per size: the model's config with the decoding options (given, the model's own, or the size default). Bad
+    # values are refused here, before anything is solved or written.
+    configs, decoding = {}, {}
+    for n, name in names.items():
+        configs[n], by_size = decoding_for(models.load(name)[0], trained_size_of(name), n, given)
+        decoding[str(n)] = {"model": name, "distance_bias": configs[n].distance_bias,
+                            "candidates": configs[n].candidates, "size_default": by_size}
 
     def model_for(n):
-        return names[n], configs[names[n]], models.load(names[n])[1]
+        return names[n], configs[n], models.load(names[n])[1]
 
-    decoding = {name: {"distance_bias": cfg.distance_bias, "candidates": cfg.candidates}
-                for name, cfg in configs.items()}
-    for line in _model_lines(names, decoding):
+    for line in _model_lines(decoding):
         log(line)
     if output is not None:
         os.makedirs(output, exist_ok=True)

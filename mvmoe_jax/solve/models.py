@@ -1,8 +1,10 @@
 """Which model solves which instances: the checkpoint given, or else the shipped model whose training size is
-closest to the instance size (``mvmoe_jax.shipped``)."""
+closest to the instance size (``mvmoe_jax.shipped``); and with which distance-aware decoding options
+(``nn/locality.py``) by instance size, where the user names none."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from mvmoe_jax import checkpoints, shipped
@@ -10,6 +12,13 @@ from mvmoe_jax.nn.policy import PolicyConfig
 
 # Between shipped models equally close in size: the paper's MVMoE first.
 _PREFERENCE = ("mvmoe", "mvmoe_light", "pomo_mtl", "pomo")
+
+
+# The distance bias used by default on instances at least BIAS_FROM_SIZE_RATIO times the model's training size
+# (docs/results.md, "Distance-aware decoding": chosen on validation instances of n = 200, CVRP and VRPTW alike,
+# and measured from n = 100 to 1,000).
+SIZE_DEFAULT_DISTANCE_BIAS = 1.0
+BIAS_FROM_SIZE_RATIO = 2
 
 
 class CheckpointRequiredError(ValueError):
@@ -61,3 +70,27 @@ class Models:
         if name not in self._loaded:
             self._loaded[name] = checkpoints.load_policy(name)
         return self._loaded[name]
+
+
+def trained_size_of(name: str) -> int | None:
+    """``trained_size`` for a shipped model's name; None for a checkpoint path (its training size is not known)."""
+    return trained_size(name) if name in shipped.names() else None
+
+
+def size_default_decoding(trained: int | None, num_customers: int) -> dict[str, float]:
+    """The decoding options used by default for ``num_customers`` with a model trained at ``trained`` customers:
+    the distance bias from ``BIAS_FROM_SIZE_RATIO`` times the training size on; none below it or when the training
+    size is unknown."""
+    if trained is not None and num_customers >= BIAS_FROM_SIZE_RATIO * trained:
+        return {"distance_bias": SIZE_DEFAULT_DISTANCE_BIAS}
+    return {}
+
+
+def decoding_for(cfg: PolicyConfig, trained: int | None, num_customers: int, given: dict
+                 ) -> tuple[PolicyConfig, list[str]]:
+    """(the config to decode ``num_customers`` customers with, the option names set by the size default). A model
+    with no decoding options of its own gets ``size_default_decoding``; the options ``given`` (the user's,
+    ``{"distance_bias": ..., "candidates": ...}``) override both."""
+    options = {} if (cfg.distance_bias or cfg.candidates) else size_default_decoding(trained, num_customers)
+    by_size = [k for k in options if k not in given]
+    return dataclasses.replace(cfg, **{**options, **given}), by_size
