@@ -42,6 +42,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.pomo_size = 50
     c.train_problems = ",".join(TRAIN_VARIANTS)
     c.mixed_batches = False           # True: every batch mixes variants; False: one variant per batch
+    # The backhaul rules of the training instances (docs/environment.md, "Backhaul rules"): comma-separated names
+    # of paper, classic, mixed; each instance draws one uniformly. The paper's data and recipe: paper alone.
+    c.train_backhaul_rules = "paper"
     # Training (paper: 5000 epochs x 20000 instances, batch 128, Adam 1e-4, wd 1e-6, lr x0.1 last 10%)
     c.epochs = 5000
     c.train_episodes = 20000

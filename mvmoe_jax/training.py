@@ -153,22 +153,32 @@ def _init_params(cfg: PolicyConfig, key: jax.Array, inst: Instance) -> dict:
 
 
 def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
-                            variant_flags: tuple[tuple[bool, ...], ...], mixed: bool) -> Instance:
+                            variant_flags: tuple[tuple[bool, ...], ...], mixed: bool,
+                            backhaul_rules: tuple[int, ...] = (problems.PAPER_RULE,)) -> Instance:
     """Fresh instances: one variant drawn uniformly for the whole batch (the reference), or per instance
-    when ``mixed``. jit-compatible with everything but ``key`` static."""
-    return generate_training_rows(key, batch, 0, batch, num_customers, variant_flags, mixed)
+    when ``mixed``; each instance under one of ``backhaul_rules`` (indices of ``problems.BACKHAUL_RULES``),
+    drawn uniformly per instance when there are several. jit-compatible with everything but ``key`` static."""
+    return generate_training_rows(key, batch, 0, batch, num_customers, variant_flags, mixed, backhaul_rules)
 
 
 def generate_training_rows(key: jax.Array, batch: int, lo: int, hi: int, num_customers: int,
-                           variant_flags: tuple[tuple[bool, ...], ...], mixed: bool) -> Instance:
+                           variant_flags: tuple[tuple[bool, ...], ...], mixed: bool,
+                           backhaul_rules: tuple[int, ...] = (problems.PAPER_RULE,)) -> Instance:
     """Rows ``lo..hi-1`` of ``generate_training_batch(key, batch, ...)``, generated alone: each instance
-    is drawn from its own key, so a process of a distributed run draws just its share of the batch.
+    is drawn from its own key, so a process of a distributed run draws just its share of the batch. The
+    instances do not depend on the backhaul rules (the rule is drawn from a key of its own).
     jit-compatible with everything but ``key`` static."""
     table = jnp.asarray(np.asarray(variant_flags, bool))
     flags = table[batch_variants(key, table.shape[0], batch, mixed)[lo:hi]]
     k_inst = jax.random.split(key)[1]
-    return jax.vmap(generate_instance, in_axes=(0, 0, None))(jax.random.split(k_inst, batch)[lo:hi], flags,
-                                                             num_customers)
+    rule_table = jnp.asarray(backhaul_rules, jnp.int8)
+    rules = rule_table[jax.random.randint(jax.random.fold_in(key, RULE_STREAM), (batch,), 0, len(backhaul_rules))]
+    return jax.vmap(generate_instance, in_axes=(0, 0, None, 0))(jax.random.split(k_inst, batch)[lo:hi], flags,
+                                                                num_customers, rules[lo:hi])
+
+
+# The stream of a batch key the backhaul rules are drawn from (the variants and instances use its splits).
+RULE_STREAM = 3
 
 
 def batch_variants(key: jax.Array, num_variants: int, batch: int, mixed: bool) -> jax.Array:
@@ -360,7 +370,8 @@ class StepFunctions:
 
     def __init__(self, cfg: PolicyConfig, plan: ExecutionPlan, tx: optax.GradientTransformation | OptimizerSettings,
                  settings: StepSettings, *, num_customers: int, variants: Sequence[str | problems.Variant],
-                 mixed: bool, mesh: Mesh, replay_bucket_size: int = 0):
+                 mixed: bool, mesh: Mesh, replay_bucket_size: int = 0,
+                 backhaul_rules: tuple[int, ...] = (problems.PAPER_RULE,)):
         if isinstance(tx, OptimizerSettings):
             tx = tx.build()
         self.tx = tx
@@ -380,7 +391,7 @@ class StepFunctions:
         # This process's rows of a batch, generated on its own devices (see ``batch``).
         self._rows_position, self._rows_devices = process_row_devices(mesh)
         self._rows = jax.jit(partial(generate_training_rows, num_customers=num_customers, variant_flags=flags,
-                                     mixed=mixed),
+                                     mixed=mixed, backhaul_rules=tuple(backhaul_rules)),
                              static_argnums=(1, 2, 3),
                              out_shardings=NamedSharding(Mesh(np.asarray(self._rows_devices), (DATA_AXIS,)),
                                                          P(DATA_AXIS)))
@@ -406,12 +417,12 @@ class StepFunctions:
     @classmethod
     @functools.lru_cache(maxsize=8)
     def cached(cls, cfg: PolicyConfig, plan: ExecutionPlan, opt: OptimizerSettings, settings: StepSettings, *,
-               num_customers: int, variants: tuple[str, ...], mixed: bool, mesh: Mesh, replay_bucket_size: int = 0
-               ) -> "StepFunctions":
+               num_customers: int, variants: tuple[str, ...], mixed: bool, mesh: Mesh, replay_bucket_size: int = 0,
+               backhaul_rules: tuple[int, ...] = (problems.PAPER_RULE,)) -> "StepFunctions":
         """The same functions for the same arguments, so that runs in one process (a resumed run, the
         tests) reuse what was compiled."""
         return cls(cfg, plan, opt, settings, num_customers=num_customers, variants=variants, mixed=mixed,
-                   mesh=mesh, replay_bucket_size=replay_bucket_size)
+                   mesh=mesh, replay_bucket_size=replay_bucket_size, backhaul_rules=backhaul_rules)
 
     def init_state(self, params) -> TrainState:
         """A fresh optimiser around ``params``, replicated over the mesh."""

@@ -58,6 +58,7 @@ class RunSettings:
     curriculum: tuple[tuple[int, int], ...] = ()
     problem_size: int = 50
     normalises_rewards: bool = False
+    backhaul_rules: tuple[str, ...] = ("paper",)    # each training instance under one, drawn uniformly
 
     def batch_size_of(self, index: int, batch_size: int) -> int:
         return self.last_batch if index == self.steps_per_epoch - 1 else batch_size
@@ -138,6 +139,11 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
              f"({shipped.describe_available()})")
     variants = tuple(v.name for v in problems.parse_variants(config.train_problems))
     problems.parse_variants(config.validation_problems or config.train_problems)
+    rules = tuple(dict.fromkeys(r.strip().lower() for r in str(config.get("train_backhaul_rules", "paper")).split(",")
+                                if r.strip()))
+    _require(rules and all(r in problems.BACKHAUL_RULES for r in rules),
+             f"train_backhaul_rules must name one or more of {', '.join(problems.BACKHAUL_RULES)} (comma-separated), "
+             f"got {config.get('train_backhaul_rules')!r}")
     policy = policy_config(config.model)
     _require(policy.model != "pomo" or len(variants) == 1,
              f"model 'pomo' is the single-task baseline: give one variant in train_problems (got "
@@ -161,7 +167,7 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
         final_fraction=float(config.get("final_lr_fraction", 0.0)))
     return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer,
                        curriculum=curriculum, problem_size=n,
-                       normalises_rewards=config.get("reward_normalization_alpha", 0.0) > 0)
+                       normalises_rewards=config.get("reward_normalization_alpha", 0.0) > 0, backhaul_rules=rules)
 
 
 def execution_settings(config: ml_collections.ConfigDict) -> tuple[str, dict]:
@@ -209,7 +215,8 @@ def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh,
     return StepFunctions.cached(run.policy, execution_plan(config), run.optimizer, settings,
                                 num_customers=n,
                                 variants=run.variants, mixed=config.mixed_batches, mesh=mesh,
-                                replay_bucket_size=config.replay_bucket)
+                                replay_bucket_size=config.replay_bucket,
+                                backhaul_rules=tuple(problems.backhaul_rule_index(r) for r in run.backhaul_rules))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -306,7 +313,7 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
               "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from",
               "grad_clip_norm", "lr_schedule", "warmup_fraction", "final_lr_fraction", "train_pomo_size",
-              "leader_advantage", "reward_normalization_alpha", "size_curriculum")
+              "leader_advantage", "reward_normalization_alpha", "size_curriculum", "train_backhaul_rules")
 
 
 class RunMismatchError(ValueError):
@@ -480,7 +487,8 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
                               augment=config.validation_aug, seed=config.validation_seed,
                               sharding=_validation_sharding(config, fns), plan=fns.plan)
         _say(f"validation sets: {validator.describe()}")
-    _say(f"training {cfg.model} on {','.join(run.variants)} (n={config.problem_size}, pomo={config.pomo_size}) "
+    rules = "" if run.backhaul_rules == ("paper",) else f", backhaul rules {','.join(run.backhaul_rules)}"
+    _say(f"training {cfg.model} on {','.join(run.variants)}{rules} (n={config.problem_size}, pomo={config.pomo_size}) "
          f"with {fns.num_devices} device(s): {config.epochs} epochs x {run.steps_per_epoch} steps of "
          f"{config.batch_size}; workdir {workdir}")
     opt = run.optimizer

@@ -359,3 +359,39 @@ def test_the_solver_inputs_take_the_files_rule_or_the_stated_one(tmp_path):
     assert {p.name: p.backhaul_rule for p in read} == {"t": "classic", "b": "mixed", "c-0": "paper"}
     read, refused = inputs.read_inputs([tmp_path], backhauls="classic")
     assert refused == [] and {p.backhaul_rule for p in read} == {"classic"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training under the rules
+# ----------------------------------------------------------------------------------------------------
+
+def test_training_batches_draw_the_configured_rules_over_the_same_instances():
+    """The rules are drawn per instance from a stream of their own: the instances are those of a paper-rule batch."""
+    from mvmoe_jax import training
+
+    flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in ("VRPB", "OVRPBTW", "CVRP"))
+    key = jax.random.key(3)
+    paper = training.generate_training_batch(key, 64, 20, flags, True)
+    rules = (problems.CLASSIC_RULE, problems.MIXED_RULE)
+    both = training.generate_training_batch(key, 64, 20, flags, True, rules)
+    for name in paper.__dataclass_fields__:
+        if name != "backhaul_rule":
+            np.testing.assert_array_equal(np.asarray(getattr(paper, name)), np.asarray(getattr(both, name)), name)
+    assert set(instances.backhaul_rule_names(paper)) == {"paper"}
+    drawn = instances.backhaul_rule_names(both)
+    assert set(drawn) == {"classic", "mixed"} and 16 <= drawn.count("mixed") <= 48
+    rows = training.generate_training_rows(key, 64, 16, 40, 20, flags, True, rules)
+    assert instances.backhaul_rule_names(rows) == drawn[16:40]
+
+
+def test_the_run_names_its_training_rules_and_refuses_unknown_ones():
+    from mvmoe_jax import training_loop
+    from test_training import tiny_config
+
+    assert training_loop.check_config(tiny_config("unused")).backhaul_rules == ("paper",)
+    run = training_loop.check_config(tiny_config("unused", train_backhaul_rules="mixed, classic,mixed"))
+    assert run.backhaul_rules == ("mixed", "classic")
+    assert "train_backhaul_rules" in training_loop.RUN_FIELDS
+    for bad in ("simultaneous", "", "paper,tsp"):
+        with pytest.raises(ValueError, match="train_backhaul_rules must name one or more of paper, classic, mixed"):
+            training_loop.check_config(tiny_config("unused", train_backhaul_rules=bad))
