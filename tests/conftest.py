@@ -19,6 +19,15 @@ import pytest
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 _XLA_CACHE = pytest.StashKey[str]()
+# The tests compile far more than they compute: XLA:CPU's code generation (LLVM) runs unoptimised for the run,
+# which halves many a test's compilation and leaves results alone (no reordering of floating-point arithmetic
+# either way). Its effect is in docs/performance.md, "Test suite". An XLA_FLAGS naming a level keeps it.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags_env(*flags: str) -> dict[str, str]:
+    """This process's environment with ``flags`` added to its ``XLA_FLAGS`` (for a test's subprocess)."""
+    return dict(os.environ, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
 
 
 def pytest_configure(config):
@@ -26,6 +35,8 @@ def pytest_configure(config):
     and every ``train.py`` the tests start share (they inherit the environment): a program compiled again (the
     same command killed and resumed, the same step in two test files) is read back instead of compiled. A
     folder the caller chose is left alone. Its effect is in docs/performance.md, "Test suite"."""
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     folder = tempfile.mkdtemp(prefix="mvmoe-jax-tests-xla-")

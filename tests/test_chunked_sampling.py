@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, xla_flags_env
 from mvmoe_jax import chunked_sampling, execution, instances, rollout, training
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 
@@ -133,7 +133,7 @@ for model, record in (("mvmoe", True), ("mvmoe", False), ("pomo_mtl", True)):
 def test_chunks_on_two_devices_sample_what_the_sharded_batch_samples():
     """On a two-device mesh each device decodes its own chunks (the batch's step count agreed by a pmax)
     and the result is the sharded whole-batch rollout's, with and without the decoder record."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = xla_flags_env("--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", TWO_DEVICE_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TEST_XLA_FLAGS
 from mvmoe_jax import devices, env, execution, instances, rollout, training
 from mvmoe_jax.engines import attention as attention_engines
 from mvmoe_jax.engines import lane_reductions, query_tables
@@ -278,7 +278,7 @@ def test_greedy_evaluation_over_two_cpu_devices_equals_one_device():
     other devices once JAX runs is a clear error. (The one-device runs are test_chunked_greedy_evaluation_
     equals_one_batch's, compiled once.)"""
     proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          timeout=600, env=dict(os.environ, XLA_FLAGS=TEST_XLA_FLAGS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert out["devices"] == 2 and len(jax.devices()) == 1

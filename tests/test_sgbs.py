@@ -25,7 +25,7 @@ from mvmoe_jax.io import save_npz
 from mvmoe_jax.solve import api, eas, search, sgbs
 from mvmoe_jax.solve.__main__ import main
 
-from conftest import REPO_ROOT, require_shared
+from conftest import REPO_ROOT, require_shared, xla_flags_env
 from test_solve import N, SMALL, generated, shipped_small, small_params  # noqa: F401, F811  (fixtures)
 
 BEAM = dict(beam_width=2, expansion=3)          # small beams: cheap, and still several children per node
@@ -174,7 +174,7 @@ def small_model():
 def test_two_devices_search_as_one_does(small_params):
     """With the instances dealt out over two devices (the command's default on a 2-core CPU) SGBS and SGBS + EAS
     give what one device gives."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = xla_flags_env("--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", TWO_DEVICES], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

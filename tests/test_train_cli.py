@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT, SHARED_DIR
+from conftest import REPO_ROOT, SHARED_DIR, xla_flags_env
 from mvmoe_jax import checkpoints
 
 
@@ -67,7 +67,7 @@ def test_train_py_end_to_end(tmp_path):
     (["--config.finetune_from=/no/such/run"], "finetune_from: no checkpoint at /no/such/run"),
 ])
 def test_train_py_bad_input(tmp_path, args, message):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = xla_flags_env("--xla_force_host_platform_device_count=2")
     proc = _train_py(f"--config.workdir={tmp_path / 'wd'}", *args, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr

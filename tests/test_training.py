@@ -16,7 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, xla_flags_env
 from configs import demo
 from configs.common import model_config
 from mvmoe_jax import (checkpoints, execution, instances, reinforce, rollout, training, training_loop,
@@ -446,7 +446,7 @@ print("RESULT" + json.dumps(out))
 
 def _sharded_steps(cases):
     """SHARDED_SCRIPT's results for these cases, in a process with two CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = xla_flags_env("--xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT, ",".join(cases)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
