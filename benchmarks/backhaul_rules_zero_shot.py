@@ -1,5 +1,6 @@
-"""Zero-shot under each backhaul rule: a model trained under the paper's rule, greedy x8, on generated instances
-under the paper, classic and mixed rules, against OR-Tools' exact model of each rule.
+"""Zero-shot under each backhaul rule: a model (trained under the paper's rule, or fine-tuned under others),
+greedy x8, on generated instances under the paper, classic and mixed rules, against OR-Tools' exact model of each
+rule.
 
 For each rule and variant, ``--num_instances`` generated instances of size ``--n`` (``instances.generate(...,
 backhaul_rule=)``; the generator does not redraw for the classic rule's order, so draws where some backhaul has no
@@ -9,12 +10,16 @@ the instance's rule. The gap is greedy's cost over OR-Tools' minus one, in perce
 both solved (a classic greedy rollout can dead-end: it then counts as unsolved).
 
     python benchmarks/backhaul_rules_zero_shot.py --num_instances=64 --ortools_seconds=2
+
+``--ortools_from=REPORT`` reuses an earlier report's OR-Tools costs (the same instances), so that two models are
+compared on the same references.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -37,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants with backhauls")
     p.add_argument("--rules", default=",".join(RULES), help="comma-separated backhaul rules")
     p.add_argument("--ortools_seconds", type=float, default=2.0, help="OR-Tools' time per instance")
+    p.add_argument("--trained_rules", default="paper", help="the rules the model was trained under, for the report "
+                   "(a fine-tuned model: its train_backhaul_rules)")
+    p.add_argument("--ortools_from", default=None, help="a report of this script whose OR-Tools costs to reuse for "
+                   "the same rows, instance counts, seed and seconds (to compare models on the same references)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="report JSON (markdown beside it); default benchmarks/results/")
     return p
@@ -101,7 +110,8 @@ def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [f"# Zero-shot under each backhaul rule, n = {s['n']}, {report['date']}", "",
              f"Machine: {report['machine']}; commit {report['commit']}. Model `{s['checkpoint']}` (trained under the "
-             f"paper's rule), greedy x8; OR-Tools {s['ortools_seconds']:g} s per instance; {s['num_instances']} "
+             f"{', '.join(s.get('trained_rules', ['paper']))} rule(s)), greedy x8; OR-Tools {s['ortools_seconds']:g} s "
+             f"per instance; {s['num_instances']} "
              "generated instances per row. Gap: greedy over OR-Tools, mean over the instances both solved; "
              "solved: finished and accepted by the checker under the instance's rule.", "",
              "| rule | variant | greedy mean | OR-Tools mean | gap % | greedy solved | OR-Tools solved | greedy s/inst |",
@@ -135,14 +145,27 @@ def main(argv=None) -> int:
     report = {"date": datetime.date.today().isoformat(), "machine": machine.jax_device(),
               "commit": machine.repository_commit(),
               "settings": {"checkpoint": args.checkpoint, "n": args.n, "num_instances": args.num_instances,
-                           "ortools_seconds": args.ortools_seconds, "seed": args.seed},
+                           "ortools_seconds": args.ortools_seconds, "seed": args.seed,
+                           "trained_rules": [r.strip() for r in args.trained_rules.split(",") if r.strip()],
+                           "ortools_from": args.ortools_from},
               "rows": []}
+    known = {}
+    if args.ortools_from:
+        with open(args.ortools_from) as f:
+            earlier = json.load(f)
+        same = {k: earlier["settings"].get(k) for k in ("n", "num_instances", "ortools_seconds", "seed")}
+        if same != {k: report["settings"][k] for k in same}:
+            raise SystemExit(f"--ortools_from {args.ortools_from}: its settings {same} differ from this run's")
+        known = {(r["rule"], r["variant"]): r["ortools_costs"] for r in earlier["rows"]}
     rows = []
     for rule in rules:
         for variant in variants:
             batch, drawn = servable_batch(variant, rule, args.n, args.num_instances, args.seed)
             g, g_seconds = greedy(cfg, params, batch)
-            o = ortools(batch, args.ortools_seconds)
+            if (rule, variant) in known:
+                o = np.array([np.inf if c is None else c for c in known[rule, variant]], np.float64)
+            else:
+                o = ortools(batch, args.ortools_seconds)
             both = np.isfinite(g) & np.isfinite(o)
             row = {"rule": rule, "variant": variant, "instances": args.num_instances, "drawn": drawn,
                    "greedy_solved": int(np.isfinite(g).sum()), "ortools_solved": int(np.isfinite(o).sum()),

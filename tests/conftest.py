@@ -20,8 +20,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
 _XLA_CACHE = pytest.StashKey[str]()
 # The tests compile far more than they compute: XLA:CPU's code generation (LLVM) runs unoptimised for the run,
-# which halves many a test's compilation and leaves results alone (no reordering of floating-point arithmetic
-# either way). Its effect is in docs/performance.md, "Test suite". An XLA_FLAGS naming a level keeps it.
+# which cuts many a test's compilation by a third and leaves results alone (LLVM may not reorder floating-point
+# arithmetic at any level). Its effect is in docs/performance.md, "Test suite". An XLA_FLAGS naming a level keeps it.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 

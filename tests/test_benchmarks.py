@@ -641,5 +641,17 @@ def test_backhaul_rules_zero_shot_compares_greedy_with_ortools_under_each_rule(t
         assert r["gap"] == pytest.approx((r["greedy_costs"][0] / r["ortools_costs"][0] - 1) * 100)
         assert r["greedy_costs"][1] is None
     assert "| classic | VRPB |" in (tmp_path / "zs.md").read_text()
+    # Another model on the same references: OR-Tools' costs read back, not solved again.
+    monkeypatch.setattr(zs, "ortools", lambda b, seconds: pytest.fail("OR-Tools solved again"))
+    monkeypatch.setattr(zs, "greedy", lambda cfg, params, b: (np.array([1.0, np.inf]), 0.5))
+    again = tmp_path / "again.json"
+    assert zs.main(["--n=20", "--num_instances=2", "--variants=VRPB", "--rules=classic,mixed", "--ortools_seconds=0.1",
+                    f"--ortools_from={out}", "--trained_rules=paper,mixed", f"--output={again}"]) == 0
+    reused = json.loads(again.read_text())
+    assert [r["ortools_costs"] for r in reused["rows"]] == [r["ortools_costs"] for r in report["rows"]]
+    assert "trained under the paper, mixed rule(s)" in (tmp_path / "again.md").read_text()
+    with pytest.raises(SystemExit, match="differ from this run's"):
+        zs.main(["--n=20", "--num_instances=3", "--variants=VRPB", "--rules=mixed", "--ortools_seconds=0.1",
+                 f"--ortools_from={out}", f"--output={again}"])
     with pytest.raises(SystemExit, match="no backhauls"):
         zs.main(["--variants=CVRP", f"--output={out}"])
