@@ -527,6 +527,20 @@ def test_an_output_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
     assert taken.read_text() == "a file\n"
 
 
+@pytest.mark.parametrize("method", ["eas", "sgbs", "sgbs_eas"])
+def test_a_search_whose_first_round_cannot_fit_compiles_nothing_and_returns_greedy(small_params, monkeypatch, method):
+    def no_program(*args, **kwargs):
+        raise AssertionError("a search program was compiled")
+    for name in ("eas_program", "sgbs_program", "sampling_program"):
+        monkeypatch.setattr(search.Decoder, name, no_program)
+    batch = generated("CVRP", 2, seed=3)
+    greedy = api.solve_instances(SMALL, small_params, batch)
+    timed = api.solve_instances(SMALL, small_params, batch, search=method, time_limit=1e-6)
+    assert [s.rounds for s in timed] == [0, 0]
+    assert [(s.cost, s.routes) for s in timed] == [(s.cost, s.routes) for s in greedy]
+    assert [s.depths for s in timed] == ([None, None] if method == "eas" else [0, 0])
+
+
 def test_compilation_is_reported_apart_and_a_search_without_rounds_is_warned(tmp_path, shipped_small, capsys):
     """A time limit that leaves no room for a sampling round after greedy: the run says so in one line, and the
     compilation time (not counted in the limit) is reported apart from the search's. Informational lines come
@@ -540,6 +554,7 @@ def test_compilation_is_reported_apart_and_a_search_without_rounds_is_warned(tmp
     assert lines[0] == "n = 20: model small_n20" and lines[1].startswith("n=20 greedy: all 20 POMO starts")
     assert "compiling" in capsys.readouterr().err or report.compile_seconds == 0     # the bar names the stage
     assert [s.rounds for s in report.solutions] == [0] * 8
+    assert list(report.plans) == ["n=20 greedy"]              # no round fits: the sampling program not compiled
     assert len(report.warnings) == 1 and report.warnings[0].startswith(
         "--search=sampling ran 0 rounds on 8 instance(s) (eight-0, eight-1, eight-2, ...): --time_limit=1e-06 s per "
         "instance left no room for one after greedy x8")

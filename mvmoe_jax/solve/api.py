@@ -268,7 +268,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                                compile_seconds=res.compile_seconds / len(group), starts=res.plans["greedy"].starts, search=search,
                                rounds=res.rounds, model=name, samples=res.samples,
                                depths=None if res.depths is None else int(res.depths[j]),
-                               adapted=res.adapted[j] if keep_adapted else None)
+                               adapted=res.adapted[j] if keep_adapted and res.adapted is not None else None)
             if on_solution is not None:
                 on_solution(p, out[i])
         bar.update(len(group))

@@ -127,7 +127,9 @@ def write_adapted(path: str, solutions) -> str:
     by_size: dict[int, list] = {}
     for s in solutions:
         if s.adapted is None:
-            raise ValueError(f"{s.name}: no adapted parameters to save (solved with --search={s.search})")
+            why = (f"--search={s.search} adapts none" if s.search != "eas"
+                   else "EAS ran 0 iterations: the time limit left no room for one after greedy x8")
+            raise ValueError(f"{s.name}: no adapted parameters to save ({why})")
         by_size.setdefault(s.num_customers, []).append(s)
     arrays = {"method": np.array("eas-emb"), "copies": np.array(COPIES)}
     for n, group in by_size.items():

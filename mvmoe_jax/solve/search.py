@@ -25,6 +25,9 @@ finds, so none returns a route worse than greedy's.
 - ``sgbs_eas``: rounds of one EAS iteration then one SGBS pass on the adapted embeddings, sharing the incumbent
   (the authors' SGBS + EAS), under the same time limit and round count.
 
+A search whose first round would not fit ``time_limit`` after greedy x8 (predicted from greedy's time) returns
+greedy's result without compiling its own programs.
+
 Memory: a decoding program is compiled for the batch and its size checked against ``Settings.memory_budget``
 (default: what the device has free; on a CPU half the free memory, shared by its devices). When it does not
 fit, fewer augmented instances are decoded at once (chunks, decoded one after another; same results), and
@@ -425,6 +428,13 @@ def _run_rounds(result: BatchResult, settings: Settings, real: int, default_roun
         result.rounds += 1
 
 
+def _first_round_fits(settings: Settings, spent: float, real: int, first_estimate: float) -> bool:
+    """Whether the first round, predicted to take ``first_estimate`` seconds, fits the time limit after the
+    ``spent`` seconds of greedy x8 (always without a limit). A search whose first round does not fit returns
+    greedy's result without compiling its own programs."""
+    return settings.time_limit is None or spent + first_estimate <= settings.time_limit * real
+
+
 # A round's sampled rollout costs about this many greedy rollouts (no argmax, but a draw per step), for
 # predicting whether a round fits the time limit.
 SAMPLE_PER_GREEDY = 1.5
@@ -446,6 +456,8 @@ def sampling_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     result = greedy_search(decoder, batch, key, real)
     settings = decoder.settings
     result.samples = round_samples(settings, result.seconds, real)
+    if not _first_round_fits(settings, result.seconds, real, SAMPLE_PER_GREEDY * result.samples * result.seconds):
+        return result
     compiled, decode_plan, compile_s = decoder.sampling_program(batch, result.plans["greedy"].starts, result.samples)
     result.compile_seconds += compile_s
     result.plans["sampling"] = decode_plan
@@ -474,6 +486,8 @@ EAS_ITERATION_PER_GREEDY = 4.0
 def eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) -> BatchResult:
     """Greedy x8 as the incumbent, then EAS iterations (``eas``) while the time limit and round count allow."""
     result = greedy_search(decoder, batch, key, real)
+    if not _first_round_fits(decoder.settings, result.seconds, real, EAS_ITERATION_PER_GREEDY * result.seconds):
+        return result
     (start, iteration), decode_plan, compile_s = decoder.eas_program(batch, result.plans["greedy"].starts)
     result.compile_seconds += compile_s
     result.plans["eas"] = decode_plan
@@ -563,6 +577,10 @@ def sgbs_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) ->
     result = greedy_search(decoder, batch, key, real)
     settings, put = decoder.settings, partial(rollout.replicated, num_devices=decoder.num_devices)
     starts = result.plans["greedy"].starts
+    result.depths = np.zeros(batch.locs.shape[0], np.int64)
+    # Before a pass: the encoding and the ranked starts' rollouts (about greedy's time), then its first depth.
+    if not _first_round_fits(settings, 2 * result.seconds, real, _sgbs_depth_estimate(settings, result.seconds, starts)):
+        return result
     programs, decode_plan, compile_s = decoder.sgbs_program(batch, starts)
     result.compile_seconds += compile_s
     result.plans["sgbs"] = decode_plan
@@ -597,6 +615,11 @@ def sgbs_eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     result = greedy_search(decoder, batch, key, real)
     settings, put = decoder.settings, partial(rollout.replicated, num_devices=decoder.num_devices)
     starts = result.plans["greedy"].starts
+    greedy_s = result.seconds
+    result.depths = np.zeros(batch.locs.shape[0], np.int64)
+    if not _first_round_fits(settings, greedy_s, real, (EAS_ITERATION_PER_GREEDY + 1) * greedy_s
+                             + _sgbs_depth_estimate(settings, greedy_s, starts)):
+        return result
     (start, iteration), eas_plan, eas_compile_s = decoder.eas_program(batch, starts)
     programs, sgbs_plan, sgbs_compile_s = decoder.sgbs_program(batch, starts)
     result.compile_seconds += eas_compile_s + sgbs_compile_s
