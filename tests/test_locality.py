@@ -236,12 +236,13 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
     assert "n = 20: model small_n20, decoding with distance_bias 0.5, candidates 4\n" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "candidates": 4,
-                                          "size_default": []}}
+                                          "max_starts": None, "size_default": []}}
     assert summary["instances"][0]["feasible"]
     assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
     assert "n = 20: model small_n20\n" in capsys.readouterr().out
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "candidates": 0, "size_default": []}}
+    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "candidates": 0, "max_starts": None,
+                                        "size_default": []}}
     assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: candidates must be a whole number of nodes >= 0 (0: all), got -1"]
@@ -256,12 +257,31 @@ def test_instances_twice_the_training_size_get_the_distance_bias_unless_told_oth
             "--distance_bias=0 turns it off)") in capsys.readouterr().out
     biased = json.loads((tmp_path / "biased" / "summary.json").read_text())
     assert biased["decoding"] == {"20": {"model": "small_n10", "distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS,
-                                         "candidates": 0, "size_default": ["distance_bias"]}}
+                                         "candidates": 0, "max_starts": None, "size_default": ["distance_bias"]}}
     assert biased["instances"][0]["feasible"]
     assert main([str(path), "--checkpoint=small_n10", "--distance_bias=0", "--candidates=5",
                  f"--output={tmp_path / 'told'}", "--no_progress"]) == 0
     told = json.loads((tmp_path / "told" / "summary.json").read_text())
-    assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "candidates": 5, "size_default": []}
+    assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "candidates": 5, "max_starts": None,
+                                      "size_default": []}
+
+
+def test_large_instances_decode_from_fewer_starts_unless_told(tmp_path, shipped_small, monkeypatch, capsys):
+    """Above SIZE_DEFAULT_MAX_STARTS customers (here lowered to 12) the solver decodes from that many starts, says
+    so and records it; --max_starts given wins."""
+    monkeypatch.setattr(models, "SIZE_DEFAULT_MAX_STARTS", 12)
+    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
+    assert main([str(path), f"--output={tmp_path / 'capped'}", "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert ("n = 20: model small_n20, decoding with max_starts 12 (the default above 12 customers; --max_starts=N "
+            "to change)") in out and "n=20 greedy: 12 of 20 POMO starts" in out
+    capped = json.loads((tmp_path / "capped" / "summary.json").read_text())
+    assert capped["decoding"]["20"]["max_starts"] == 12 and capped["decoding"]["20"]["size_default"] == ["max_starts"]
+    assert capped["instances"][0]["starts"] == 12 and capped["instances"][0]["feasible"]
+    assert main([str(path), "--max_starts=20", f"--output={tmp_path / 'all'}", "--no_progress"]) == 0
+    everything = json.loads((tmp_path / "all" / "summary.json").read_text())
+    assert everything["instances"][0]["starts"] == 20 and everything["decoding"]["20"]["size_default"] == []
+    assert models.size_default_max_starts(12) is None
 
 
 def test_the_size_default_follows_the_training_size_and_yields_to_the_model_and_the_user():

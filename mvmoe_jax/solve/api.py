@@ -29,7 +29,8 @@ from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.solve import eas, outputs, sgbs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
-from mvmoe_jax.solve.models import BIAS_FROM_SIZE_RATIO, Models, decoding_for, trained_size_of
+from mvmoe_jax.solve.models import (Models, decoding_for, size_default_max_starts, size_default_note,
+                                   trained_size_of)
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
 
 SUMMARY_FILE = "summary.json"
@@ -133,9 +134,10 @@ class SolveReport:
     search's, which time limits count); warnings: one line each (a cost below a best-known value, a best-known
     value left out, a search that ran no round: ``outputs``); summary_file and
     adapted_file: what was written (``outputs.write_adapted``); decoding: per size (its key the number of
-    customers as text), the model and the distance-aware decoding options it decoded with ({"model": name,
-    "distance_bias": alpha, "candidates": k, "size_default": the options the size default chose},
-    ``nn/locality.py``, ``models.decoding_for``)."""
+    customers as text), the model, the distance-aware decoding options it decoded with and the POMO starts it
+    decoded at most ({"model": name, "distance_bias": alpha, "candidates": k, "max_starts": starts or None for all,
+    "size_default": the options the size defaults chose}; ``nn/locality.py``, ``models.decoding_for``,
+    ``models.size_default_max_starts``)."""
 
     solutions: list[Solution]
     refused: list[Refused]
@@ -215,14 +217,16 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                    batch_size: int | None = None, progress: bool = False,
                    on_solution: Callable[[Problem, Solution], None] | None = None,
                    execution: ExecutionPlan | None = None, keep_adapted: bool = False, improve: str = "none",
-                   on_plan: Callable[[str, str], None] | None = None
+                   on_plan: Callable[[str, str], None] | None = None,
+                   settings_for: Callable[[int], Settings] | None = None
                    ) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
     each is found. ``execution``: the execution plan (None: the default backend's preset). ``keep_adapted``:
     each Solution keeps EAS's adapted embeddings (``search="eas"`` only). ``improve``: ``ls`` runs the local search
     on each searched solution (``IMPROVERS``). ``progress``: a bar over the instances that names each batch's stage
-    (compiling, greedy, the search's rounds). ``on_plan(what, plan)`` is called with each new decoding plan."""
+    (compiling, greedy, the search's rounds). ``on_plan(what, plan)`` is called with each new decoding plan.
+    ``settings_for(n)``: the settings for instances of n customers (default ``settings`` for every size)."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
     _check_improve(improve)
@@ -237,9 +241,11 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         group = [problems[i] for i in idx]
         n = group[0].num_customers
         name, cfg, params = model_for(n)
-        if (name, cfg) not in decoders:        # sizes decoded with other options (models.decoding_for) apart
-            decoders[name, cfg] = Decoder(cfg, params, settings, execution)
-        decoder = decoders[name, cfg]
+        size_settings = settings if settings_for is None else settings_for(n)
+        key = (name, cfg, size_settings)       # sizes decoded with other options (models.decoding_for) apart
+        if key not in decoders:
+            decoders[key] = Decoder(cfg, params, size_settings, execution)
+        decoder = decoders[key]
         where = f"n={n}" + (f", batch {b + 1} of {len(groups)}" if len(groups) > 1 else "")
         decoder.on_stage = lambda stage, where=where: bar.set_postfix_str(f"{where}: {stage}")
         size = batch_size or max(1, min(64, 3200 // n))
@@ -333,9 +339,8 @@ def _model_lines(decoding: dict[str, dict]) -> list[str]:
     the size default chose)."""
     lines = []
     for size, d in decoding.items():
-        options = [f"{k} {d[k]:g}" + (f" (the default from {BIAS_FROM_SIZE_RATIO}x the training size; "
-                                       f"--{k}=0 turns it off)" if k in d["size_default"] else "")
-                   for k in ("distance_bias", "candidates") if d[k]]
+        options = [f"{k} {d[k]:g}" + (f" ({size_default_note(k)})" if k in d["size_default"] else "")
+                   for k in ("distance_bias", "candidates", "max_starts") if d.get(k)]
         lines.append(f"n = {size}: model {d['model']}" + (", decoding with " + ", ".join(options) if options else ""))
     return lines
 
@@ -400,11 +405,16 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     given = {k: v for k, v in (("distance_bias", distance_bias), ("candidates", candidates)) if v is not None}
     # Per size: the model's config with the decoding options (given, the model's own, or the size default). Bad
     # values are refused here, before anything is solved or written.
-    configs, decoding = {}, {}
+    configs, sized, decoding = {}, {}, {}
     for n, name in names.items():
         configs[n], by_size = decoding_for(models.load(name)[0], trained_size_of(name), n, given)
+        sized[n] = settings
+        if max_starts is None and size_default_max_starts(n) is not None:
+            sized[n] = dataclasses.replace(settings, max_starts=size_default_max_starts(n))
+            by_size = by_size + ["max_starts"]
         decoding[str(n)] = {"model": name, "distance_bias": configs[n].distance_bias,
-                            "candidates": configs[n].candidates, "size_default": by_size}
+                            "candidates": configs[n].candidates, "max_starts": sized[n].max_starts,
+                            "size_default": by_size}
 
     def model_for(n):
         return names[n], configs[n], models.load(names[n])[1]
@@ -414,7 +424,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     if output is not None:
         os.makedirs(output, exist_ok=True)
     with precision.matmul_precision(precision.EVAL_DEFAULT):
-        solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings, seed=seed,
+        solutions, plans, compile_s = solve_problems(problems, model_for, search=search, settings=settings,
+                                                     settings_for=sized.__getitem__, seed=seed,
                                                      batch_size=batch_size, progress=progress,
                                                      on_solution=_write(output, plot), execution=execution,
                                                      keep_adapted=save_adapted is not None, improve=improve,

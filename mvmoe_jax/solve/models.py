@@ -19,6 +19,9 @@ _PREFERENCE = ("mvmoe", "mvmoe_light", "pomo_mtl", "pomo")
 # and measured from n = 100 to 1,000).
 SIZE_DEFAULT_DISTANCE_BIAS = 1.0
 BIAS_FROM_SIZE_RATIO = 2
+# Larger instances decode from at most this many POMO starts by default (n = 1,000 with the distance bias: routes
+# 0.14-0.24 % dearer than from all starts, in a quarter to a fifth of the time; docs/results.md).
+SIZE_DEFAULT_MAX_STARTS = 200
 
 
 class CheckpointRequiredError(ValueError):
@@ -94,3 +97,16 @@ def decoding_for(cfg: PolicyConfig, trained: int | None, num_customers: int, giv
     options = {} if (cfg.distance_bias or cfg.candidates) else size_default_decoding(trained, num_customers)
     by_size = [k for k in options if k not in given]
     return dataclasses.replace(cfg, **{**options, **given}), by_size
+
+
+def size_default_max_starts(num_customers: int) -> int | None:
+    """The POMO starts decoded at most by default for ``num_customers`` customers: ``SIZE_DEFAULT_MAX_STARTS``
+    above it, else None (all)."""
+    return SIZE_DEFAULT_MAX_STARTS if num_customers > SIZE_DEFAULT_MAX_STARTS else None
+
+
+def size_default_note(option: str) -> str:
+    """Why a size default set ``option`` (``distance_bias`` or ``max_starts``), and how to change it."""
+    if option == "distance_bias":
+        return f"the default from {BIAS_FROM_SIZE_RATIO}x the training size; --distance_bias=0 turns it off"
+    return f"the default above {SIZE_DEFAULT_MAX_STARTS} customers; --max_starts=N to change"
