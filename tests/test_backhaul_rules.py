@@ -371,16 +371,17 @@ def test_training_batches_draw_the_configured_rules_over_the_same_instances():
 
     flags = tuple(tuple(bool(f) for f in problems.get_variant(v).flags) for v in ("VRPB", "OVRPBTW", "CVRP"))
     key = jax.random.key(3)
-    paper = training.generate_training_batch(key, 64, 20, flags, True)
+    batch = jax.jit(training.generate_training_batch, static_argnums=(1, 2, 3, 4, 5))
+    paper = batch(key, 64, 20, flags, True, (problems.PAPER_RULE,))
     rules = (problems.CLASSIC_RULE, problems.MIXED_RULE)
-    both = training.generate_training_batch(key, 64, 20, flags, True, rules)
+    both = batch(key, 64, 20, flags, True, rules)
     for name in paper.__dataclass_fields__:
         if name != "backhaul_rule":
             np.testing.assert_array_equal(np.asarray(getattr(paper, name)), np.asarray(getattr(both, name)), name)
     assert set(instances.backhaul_rule_names(paper)) == {"paper"}
     drawn = instances.backhaul_rule_names(both)
     assert set(drawn) == {"classic", "mixed"} and 16 <= drawn.count("mixed") <= 48
-    rows = training.generate_training_rows(key, 64, 16, 40, 20, flags, True, rules)
+    rows = jax.jit(training.generate_training_rows, static_argnums=range(1, 8))(key, 64, 16, 40, 20, flags, True, rules)
     assert instances.backhaul_rule_names(rows) == drawn[16:40]
 
 
