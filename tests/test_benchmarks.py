@@ -655,3 +655,47 @@ def test_backhaul_rules_zero_shot_compares_greedy_with_ortools_under_each_rule(t
                  f"--ortools_from={out}", f"--output={again}"])
     with pytest.raises(SystemExit, match="no backhauls"):
         zs.main(["--variants=CVRP", f"--output={out}"])
+
+
+def test_setx_by_size_picks_files_across_each_group_and_reports_both_decodings(tmp_path, monkeypatch):
+    """benchmarks/setx_by_size.py: files spread over each size group, best-known values from their .sol files, one
+    solve with the size defaults and one without the distance bias (a stand-in here), the report by group."""
+    import types
+
+    from mvmoe_jax import solve
+
+    sx = _benchmarks_module("setx_by_size")
+    for nodes in (101, 106, 110, 125, 303, 1001):
+        (tmp_path / f"X-n{nodes}-k5.vrp").write_text("unused\n")
+        (tmp_path / f"X-n{nodes}-k5.sol").write_text(f"Route #1: 1 2\nCost {10 * nodes}\n")
+    (tmp_path / "X-n120-k5.vrp").write_text("no .sol beside it\n")
+    assert sx.choose_files(str(tmp_path), [(100, 299), (300, 599), (600, 1000)], 3) == {
+        (100, 299): ["X-n101-k5", "X-n110-k5", "X-n125-k5"], (300, 599): ["X-n303-k5"], (600, 1000): ["X-n1001-k5"]}
+    calls = []
+
+    def fake_solve(paths, *, checkpoint, bks, **options):
+        table = json.loads(open(bks).read())["Set-X"]
+        calls.append(options)
+        names = [os.path.basename(p)[:-4] for p in paths]
+        extra = 0.2 if options.get("distance_bias") == 0.0 else 0.1
+        sols = [types.SimpleNamespace(name=n, gap=extra * 100, feasible=True, seconds=1.0, starts=50,
+                                      convention_cost=table[n] * (1 + extra)) for n in names]
+        return types.SimpleNamespace(solutions=sols)
+
+    monkeypatch.setattr(solve, "solve", fake_solve)
+    out = tmp_path / "setx.json"
+    assert sx.main([f"--data_dir={tmp_path}", "--per_group=2", "--groups=100-299,400-500,600-1000",
+                    f"--output={out}"]) == 0
+    assert calls == [{}, {"distance_bias": 0.0}]
+    report = json.loads(out.read_text())
+    assert [g["group"] for g in report["groups"]] == ["100-299", "600-1000"]      # 400-500 holds no file
+    first = report["groups"][0]
+    assert first["instances"] == ["X-n101-k5", "X-n125-k5"] and first["feasible"] == 4
+    assert first["defaults"]["mean_gap"] == pytest.approx(10.0)
+    assert first["no distance bias"]["mean_gap"] == pytest.approx(20.0)
+    assert "| 100-299 | X-n101-k5, X-n125-k5 | 10.00 | 20.00 |" in (tmp_path / "setx.md").read_text()
+    for bad in ("100", "300-200", "a-b"):
+        with pytest.raises(SystemExit, match="expected LOW-HIGH"):
+            sx.main([f"--data_dir={tmp_path}", f"--groups={bad}"])
+    with pytest.raises(SystemExit, match="falls in --groups"):
+        sx.main([f"--data_dir={tmp_path}", "--groups=2000-3000"])
