@@ -152,6 +152,10 @@ def _init_params(cfg: PolicyConfig, key: jax.Array, inst: Instance) -> dict:
     return {"params": Policy(cfg, execution.reference()).init({"params": k_params, "gating": k_gate}, inst)["params"]}
 
 
+# The stream of a batch key the backhaul rules are drawn from (the variants and instances use its splits).
+RULE_STREAM = 3
+
+
 def generate_training_batch(key: jax.Array, batch: int, num_customers: int,
                             variant_flags: tuple[tuple[bool, ...], ...], mixed: bool,
                             backhaul_rules: tuple[int, ...] = (problems.PAPER_RULE,)) -> Instance:
@@ -175,10 +179,6 @@ def generate_training_rows(key: jax.Array, batch: int, lo: int, hi: int, num_cus
     rules = rule_table[jax.random.randint(jax.random.fold_in(key, RULE_STREAM), (batch,), 0, len(backhaul_rules))]
     return jax.vmap(generate_instance, in_axes=(0, 0, None, 0))(jax.random.split(k_inst, batch)[lo:hi], flags,
                                                                 num_customers, rules[lo:hi])
-
-
-# The stream of a batch key the backhaul rules are drawn from (the variants and instances use its splits).
-RULE_STREAM = 3
 
 
 def batch_variants(key: jax.Array, num_variants: int, batch: int, mixed: bool) -> jax.Array:

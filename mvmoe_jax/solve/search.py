@@ -584,7 +584,6 @@ def sgbs_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int) ->
     programs, decode_plan, compile_s = decoder.sgbs_program(batch, starts)
     result.compile_seconds += compile_s
     result.plans["sgbs"] = decode_plan
-    result.depths = np.zeros(batch.locs.shape[0], np.int64)
     t0 = result.seconds
     copies, emb = _timed(result, lambda: programs.encode(*put((decoder.params, batch, key))))
     first = _timed(result, lambda: programs.first(decoder.params, copies, emb, put(jax.random.fold_in(key, 1))))
@@ -615,17 +614,15 @@ def sgbs_eas_search(decoder: Decoder, batch: Instance, key: jax.Array, real: int
     result = greedy_search(decoder, batch, key, real)
     settings, put = decoder.settings, partial(rollout.replicated, num_devices=decoder.num_devices)
     starts = result.plans["greedy"].starts
-    greedy_s = result.seconds
+    greedy_seconds = result.seconds
     result.depths = np.zeros(batch.locs.shape[0], np.int64)
-    if not _first_round_fits(settings, greedy_s, real, (EAS_ITERATION_PER_GREEDY + 1) * greedy_s
-                             + _sgbs_depth_estimate(settings, greedy_s, starts)):
+    if not _first_round_fits(settings, greedy_seconds, real, (EAS_ITERATION_PER_GREEDY + 1) * greedy_seconds
+                             + _sgbs_depth_estimate(settings, greedy_seconds, starts)):
         return result
     (start, iteration), eas_plan, eas_compile_s = decoder.eas_program(batch, starts)
     programs, sgbs_plan, sgbs_compile_s = decoder.sgbs_program(batch, starts)
     result.compile_seconds += eas_compile_s + sgbs_compile_s
     result.plans.update(eas=eas_plan, sgbs=sgbs_plan)
-    result.depths = np.zeros(batch.locs.shape[0], np.int64)
-    greedy_seconds = result.seconds
     copies, state = _timed(result, lambda: start(*put((decoder.params, batch, key, result.cost, result.actions))))
     budget = None if settings.time_limit is None else settings.time_limit * real
     max_rounds = _max_rounds(settings, DEFAULT_SGBS_EAS_ROUNDS)
