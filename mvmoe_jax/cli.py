@@ -109,15 +109,19 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
             cfg, params, inst, pomo_size=flags.pomo_size, augment=flags.aug == 8, batch_size=batch_size,
             seed=flags.seed, progress=flags.progress, desc=var.name, chunk_size=getattr(flags, "chunk_size", None),
             plan=plan)
-        gap, ref_path = _gap(flags, var, res.obj)
-        results[var.name] = {"obj": res.obj.tolist(), "obj_no_aug": res.obj_no_aug.tolist(),
-                             "mean": res.mean, "mean_no_aug": float(np.mean(res.obj_no_aug)), "gap": gap,
+        gap, ref_path = _gap(flags, var, res.obj, res.solved)
+        unsolved = int((~res.solved).sum())
+        results[var.name] = {"obj": _finite_or_none(res.obj), "obj_no_aug": _finite_or_none(res.obj_no_aug),
+                             "mean": _finite_or_none([res.mean])[0],
+                             "mean_no_aug": _finite_or_none([res.mean_no_aug])[0], "gap": gap, "unsolved": unsolved,
                              "seconds": res.seconds, "compile_seconds": res.compile_seconds,
                              "reference": os.path.basename(ref_path) if gap is not None else None,
                              **decoding_options(cfg)}
-        rows.append((var.name, res.mean, float(np.mean(res.obj_no_aug)), gap, res.seconds))
+        rows.append((var.name, res.mean, res.mean_no_aug, gap, res.seconds))
+        note = "" if not unsolved else (f"  {unsolved} of {len(res.obj)} instances unsolved (every rollout ran "
+                                        "into a dead end), left out of obj and gap")
         print(f"{var.name:10s} obj {res.mean:.4f}  gap {_fmt(gap, '.3f')}%  {res.seconds:.2f}s "
-              f"(compile {res.compile_seconds:.1f}s)", flush=True)
+              f"(compile {res.compile_seconds:.1f}s){note}", flush=True)
     if not results:
         raise FileNotFoundError(f"no datasets of size {flags.size} found under {flags.data_dir}")
     print()
@@ -125,9 +129,15 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
     return results
 
 
-def _gap(flags, var, obj: np.ndarray) -> tuple[float | None, str]:
-    """Gap to ``--reference`` (which must exist and cover every instance) or, when none is given, to the
-    paper's reference solver file beside the dataset if there is one (None otherwise)."""
+def _finite_or_none(values: np.ndarray) -> list[float | None]:
+    """JSON-ready objectives: None for an unsolved instance (+inf)."""
+    return [float(v) if np.isfinite(v) else None for v in values]
+
+
+def _gap(flags, var, obj: np.ndarray, solved: np.ndarray) -> tuple[float | None, str]:
+    """Mean gap of the ``solved`` instances to ``--reference`` (which must exist and cover every instance) or,
+    when none is given, to the paper's reference solver file beside the dataset if there is one (None
+    otherwise, and when no instance is solved)."""
     explicit = bool(flags.reference)
     ref_path = flags.reference or io.reference_solution_path(flags.data_dir, var, flags.size)
     if not os.path.exists(ref_path):
@@ -139,7 +149,9 @@ def _gap(flags, var, obj: np.ndarray) -> tuple[float | None, str]:
         if explicit:
             raise ValueError(f"--reference {ref_path} has {len(ref_cost)} solutions for {len(obj)} instances")
         return None, ref_path
-    return evaluation.gap_percent(obj, ref_cost), ref_path
+    if not solved.any():
+        return None, ref_path
+    return evaluation.gap_percent(obj[solved], np.asarray(ref_cost)[solved]), ref_path
 
 
 def _read_benchmark_file(path: str):
@@ -175,13 +187,21 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
                                           augment=flags.aug == 8, batch_size=1, seed=flags.seed,
                                           progress=False, desc=meta.name,
                                           chunk_size=getattr(flags, "chunk_size", None), plan=plan)
-        obj = _original_cost(res.routes[0], inst, meta, meta.cost_convention)
         best = bks.get(meta.name)
+        if not res.solved[0]:
+            results[meta.name] = {"n": meta.num_customers, "obj": None, "bks": best, "gap": None,
+                                  "solved": False, "seconds": res.seconds, "compile_seconds": res.compile_seconds,
+                                  "cost_convention": meta.cost_convention, **decoding_options(cfg)}
+            print(f"{meta.name:14s} {meta.num_customers:4d} no solution found: every rollout ran into a dead end",
+                  flush=True)
+            continue
+        obj = _original_cost(res.routes[0], inst, meta, meta.cost_convention)
         gap = None if best is None else (obj - best) / best * 100.0
         if gap is not None:
             gaps.append(gap)
         results[meta.name] = {"n": meta.num_customers, "obj": obj, "obj_unit_square": float(res.obj[0]),
-                              "bks": best, "gap": gap, "route": res.routes[0], "seconds": res.seconds,
+                              "bks": best, "gap": gap, "solved": True, "route": res.routes[0],
+                              "seconds": res.seconds,
                               "compile_seconds": res.compile_seconds,
                               "cost_convention": meta.cost_convention, **decoding_options(cfg)}
         print(f"{meta.name:14s} {meta.num_customers:4d} {obj:10.1f} {_fmt(best, '10.0f'):>10s} "

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mvmoe_jax import checker, evaluation, problems, training
-from mvmoe_jax.instances import generate
+from mvmoe_jax.instances import concatenate, generate, take
+from mvmoe_jax.io.json_instances import parse_instance
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.rollout import greedy_evaluate
 
@@ -105,3 +106,24 @@ def test_an_instance_of_backhauls_only_is_solved(params, variant):
     routes = [checker.actions_to_route(a) for a in res.best_actions]
     checker.verify_routes(inst, routes, res.obj, source=variant)
     assert np.isfinite(res.obj).all()
+
+
+def _classic_square(second_pickup: float) -> dict:
+    """One delivery of 3 and pickups of 20 and ``second_pickup`` on a capacity of 30 under the classic rule: the
+    delivery opens the only route the pickups may use, so with a second pickup of 20 no solution exists."""
+    return {"capacity": 30, "depot": [0, 0], "customers": [[0, 10], [10, 10], [5, 5]],
+            "demand": [3, -20, -second_pickup], "backhauls": "classic"}
+
+
+def test_a_dataset_instance_no_rollout_finishes_is_unsolved_and_the_rest_are_checked(params):
+    """Dataset evaluation goes on past an instance every rollout of which dead-ends (no exception): its objective
+    is +inf and it is left out of the mean, while the solved instance's route is checked and costed."""
+    stuck, _ = parse_instance(_classic_square(20), "stuck", "stuck")
+    fine, _ = parse_instance(_classic_square(5), "fine", "fine")
+    res = evaluation.evaluate_dataset(SMALL, params, concatenate([stuck, fine]), batch_size=2, progress=False)
+    assert res.solved.tolist() == [False, True]
+    assert np.isinf(res.obj[0]) and np.isfinite(res.obj[1])
+    assert res.mean == res.obj[1]
+    check = checker.check_routes(take(concatenate([stuck, fine]), np.array([1])), [res.routes[1]])[0]
+    assert check.feasible and sorted(v for v in res.routes[1] if v) == [1, 2, 3]
+    np.testing.assert_allclose(check.cost, res.obj[1], rtol=1e-5)

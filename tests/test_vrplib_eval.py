@@ -73,3 +73,35 @@ def test_costs_in_file_units_leave_out_the_return_of_open_routes(tmp_path):
         costs[kind] = cli._original_cost([1, 2], inst, meta)
     assert costs["CVRP"] == pytest.approx(50 + 40 + 30, rel=1e-6)       # 0 -> 1 -> 2 -> 0
     assert costs["OVRP"] == pytest.approx(50 + 40, rel=1e-6)            # no way back
+
+
+def _classic_vrpb(path, second_pickup: int) -> str:
+    """A VRPLIB VRPB file (classic rule): one delivery of 3, pickups of 20 and ``second_pickup``, capacity 30. The
+    delivery opens the only route the pickups may use, so with a second pickup of 20 no solution exists."""
+    path.write_text("NAME : {}\nTYPE : VRPB\nDIMENSION : 4\nEDGE_WEIGHT_TYPE : EUC_2D\nCAPACITY : 30\n"
+                    "NODE_COORD_SECTION\n1 0 0\n2 0 10\n3 10 10\n4 5 5\n"
+                    "LINEHAUL_SECTION\n1 0\n2 3\n3 0\n4 0\nBACKHAUL_SECTION\n1 0\n2 0\n3 20\n4 {}\n"
+                    "DEPOT_SECTION\n1\n-1\nEOF\n".format(path.stem, second_pickup))
+    return path.stem
+
+
+def test_a_file_no_rollout_finishes_is_reported_unsolved_and_the_others_evaluated(tmp_path, capsys, monkeypatch):
+    from mvmoe_jax import shipped, training
+    from mvmoe_jax.nn.policy import PolicyConfig
+    import jax
+
+    cfg = PolicyConfig(model="mvmoe", embedding_dim=16, num_heads=2, num_layers=1, ff_hidden_dim=32,
+                       expert_loc=("Enc0", "Dec"))
+    shipped.export(tmp_path / "shipped" / "small_n20", training.init_params(cfg, jax.random.key(0)), cfg,
+                   {"config": {"problem_size": 20}})
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "shipped")
+    folder = tmp_path / "files"
+    folder.mkdir()
+    stuck, fine = _classic_vrpb(folder / "stuck.vrp", 20), _classic_vrpb(folder / "fine.vrp", 5)
+    flags = types.SimpleNamespace(checkpoint="small_n20", vrplib_dir=str(folder), bks=None, aug=8,
+                                  batch_size=None, pomo_size=None, num_instances=None, seed=0, progress=False,
+                                  data_dir=None, problems="ALL", size=50, reference=None)
+    res = cli.run_evaluation(None, flags)
+    assert res[stuck]["solved"] is False and res[stuck]["obj"] is None and res[stuck]["gap"] is None
+    assert "stuck" in capsys.readouterr().out.split("no solution found")[0].splitlines()[-1]
+    assert res[fine]["solved"] is True and sorted(v for v in res[fine]["route"] if v) == [1, 2, 3]
