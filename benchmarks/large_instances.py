@@ -17,6 +17,13 @@ are then the plain decoder, the chosen alpha, every k, and the chosen alpha with
     python benchmarks/large_instances.py --checkpoint=mvmoe_4e_n50 --sizes=200,500 --choose_on=200 \
         --alphas=0.5,1,2,4 --ks=10,20,50 --reference_seconds=60
 
+With ``--ls_seconds`` > 0 the local search (``mvmoe_jax.local_search``, the solver's ``--improve=ls``) then runs
+on each greedy solution for at most that many seconds, and the row also reports its cost, gap and time (the
+total time per instance is greedy's plus the local search's):
+
+    python benchmarks/large_instances.py --checkpoint=mvmoe_4e_n50 --sizes=1000 --num_instances=2 \
+        --decodings=1:0 --max_starts=200 --ls_seconds=15 --reference_seconds=60
+
 Memory is the decoding program's own size as XLA compiled it (``plan bytes``) and the process's peak resident
 memory after the size (sizes run in increasing order, so each peak covers its size). JSON and markdown go to
 ``--output``. CVRPLIB Set-X by size group is in ``benchmarks/paper_tables.py --sections=setx``.
@@ -92,6 +99,7 @@ def choose_options(cfg, params, n: int, variants: list[str], alphas: list[float]
         for alpha, k in [(0.0, 0)] + [(a, 0) for a in alphas] + [(0.0, k) for k in ks]:
             row, _ = policy_row(with_decoding(cfg, alpha, k), params, batch, max_starts=max_starts,
                                 memory_budget=memory_budget, seed=seed)
+            row.pop("routes")
             row.update(distance_bias=alpha, candidates=k)
             rows.append(row)
             print(f"validation n={n} {variant} {decoding_name(alpha, k)}: mean {row['mean_cost']:.4f}, "
@@ -105,7 +113,8 @@ def choose_options(cfg, params, n: int, variants: list[str], alphas: list[float]
 
 
 def policy_row(cfg, params, batch, *, max_starts: int | None, memory_budget: int | None, seed: int) -> tuple[dict, np.ndarray]:
-    """Greedy x8 on ``batch``: the report row and the per-instance costs (unit square)."""
+    """Greedy x8 on ``batch``: the report row (its ``routes`` the best route of each instance, in the paper's flat
+    format) and the per-instance costs (unit square)."""
     import jax
 
     from mvmoe_jax import checker, precision
@@ -115,16 +124,41 @@ def policy_row(cfg, params, batch, *, max_starts: int | None, memory_budget: int
     with precision.matmul_precision(precision.EVAL_DEFAULT):
         decoder = Decoder(cfg, params, Settings(max_starts=max_starts, memory_budget=memory_budget))
         res = greedy_search(decoder, batch, jax.random.key(seed), k)
-    checks = checker.check_routes(batch, [checker.actions_to_route(a) for a in res.actions])
+    routes = [checker.actions_to_route(a) for a in res.actions]
+    checks = checker.check_routes(batch, routes)
     plan = res.plans["greedy"]
     costs = np.asarray(res.cost, np.float64)
     # The checker recomputes each cost from the routes; a disagreement would be a wrong reported cost.
     recomputed = np.array([c.cost for c in checks], np.float64)
     return ({"instances": k, "mean_cost": float(costs.mean()), "feasible": int(sum(c.feasible for c in checks)),
+             "routes": routes,
              "cost_agrees": bool(np.allclose(costs, recomputed, rtol=1e-4)),
              "seconds_per_instance": res.seconds / k, "compile_seconds": res.compile_seconds,
              "plan": plan.describe(), "starts": plan.starts, "chunk": plan.chunk, "rows": plan.rows,
              "plan_bytes": plan.memory_bytes, "budget_bytes": plan.budget, "costs": costs.tolist()}, costs)
+
+
+def local_search_row(batch, routes: list[list[int]], seconds: float) -> tuple[dict, np.ndarray]:
+    """The local search for at most ``seconds`` on each instance's ``routes`` (the paper's flat format): the row's
+    local-search fields and the per-instance costs (unit square), each route replayed by the checker."""
+    import jax
+
+    from mvmoe_jax import checker, local_search
+
+    costs, times, found = [], [], []
+    for j, route in enumerate(routes):
+        t0 = time.perf_counter()
+        result = local_search.improve_instance(jax.tree.map(lambda x: x[j], batch), checker.split_subtours(route),
+                                               time_limit=seconds)
+        times.append(time.perf_counter() - t0)
+        costs.append(result.cost)
+        found.append([v for tour in result.routes for v in list(tour) + [0]])
+    checks = checker.check_routes(batch, found)
+    costs = np.asarray(costs, np.float64)
+    return {"ls_mean_cost": float(costs.mean()), "ls_seconds_per_instance": float(np.mean(times)),
+            "ls_limit_seconds": seconds, "ls_feasible": int(sum(c.feasible for c in checks)),
+            "ls_cost_agrees": bool(np.allclose(costs, [c.cost for c in checks], rtol=1e-4)),
+            "ls_costs": costs.tolist()}, costs
 
 
 def reference_row(batch, seconds: float, workers: int) -> tuple[dict, np.ndarray]:
@@ -148,6 +182,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['n']} | {r['variant']} | {r['plan']} | {options} | {r['seconds_per_instance']:.1f} | "
                      f"{r['compile_seconds']:.1f} | {r['plan_bytes'] / 2**20:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
                      f"{r['mean_cost']:.3f} | {gap} | {r['feasible']}/{r['instances']} |")
+    with_ls = [r for r in report["rows"] if "ls_mean_cost" in r]
+    if with_ls:
+        lines += ["", "Greedy x8, then the local search for at most its limit per instance:", "",
+                  "| n | variant | options | greedy s/inst | gap % | LS limit s | LS s/inst | total s/inst | gap % after LS "
+                  "| feasible |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in with_ls:
+            gap, ls_gap = (("-" if r.get(key) is None else f"{r[key]:.2f}") for key in ("gap", "ls_gap"))
+            lines.append(f"| {r['n']} | {r['variant']} | {decoding_name(r.get('distance_bias', 0.0), r.get('candidates', 0))} "
+                         f"| {r['seconds_per_instance']:.1f} | {gap} | {r['ls_limit_seconds']:g} | "
+                         f"{r['ls_seconds_per_instance']:.1f} | "
+                         f"{r['seconds_per_instance'] + r['ls_seconds_per_instance']:.1f} | {ls_gap} | "
+                         f"{r['ls_feasible']}/{r['instances']} |")
     for n, by_variant in report.get("validation", {}).items():
         lines += ["", f"Options chosen on {report['validation_instances']} validation instances of n = {n} per "
                       "variant (mean cost, greedy x8):", "",
@@ -182,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--validation_instances", type=int, default=8)
     p.add_argument("--references_from", default=None, help="a report of this script whose PyVRP costs to reuse "
                    "for the same sizes, variants, instance counts and seconds")
+    p.add_argument("--ls_seconds", type=float, default=0.0, help="the local search's time limit per instance "
+                   "after greedy (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="JSON path (markdown beside it); default "
                    "benchmarks/results/large_instances_<date>.json")
@@ -237,12 +285,22 @@ def main(argv=None) -> int:
                                         memory_budget=budget, seed=args.seed)
                 row.update(n=n, variant=variant, distance_bias=alpha, candidates=k,
                            wall_seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), gap=None)
+                routes = row.pop("routes")
+                ls_costs = None
+                if args.ls_seconds > 0:
+                    ls_row, ls_costs = local_search_row(batch, routes, args.ls_seconds)
+                    row.update(ls_row, ls_gap=None)
                 if ref is not None:
                     row["reference"] = {k_: v for k_, v in report["references"][ref_key].items() if k_ != "costs"}
                     row["gap"] = gap_percent(costs, ref)
+                    if ls_costs is not None:
+                        row["ls_gap"] = gap_percent(ls_costs, ref)
                 print(f"n={n} {variant} {decoding_name(alpha, k)}: {row['plan']}; {row['seconds_per_instance']:.1f} "
                       f"s/inst, mean {row['mean_cost']:.4f}, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, "
                       f"{row['feasible']}/{row['instances']} feasible", flush=True)
+                if ls_costs is not None:
+                    print(f"  + local search: {row['ls_seconds_per_instance']:.1f} s/inst, mean {row['ls_mean_cost']:.4f}, "
+                          f"{row['ls_feasible']}/{row['instances']} feasible", flush=True)
                 report["rows"].append(row)
                 with open(output, "w") as f:           # what is measured so far, should the run be stopped
                     json.dump(report, f, indent=1)

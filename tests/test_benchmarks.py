@@ -429,13 +429,17 @@ def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
     large = _benchmarks_module("large_instances")
     out = tmp_path / "large.json"
     large.main([f"--checkpoint={ckpt}", "--sizes=200", "--variants=OVRPBLTW", "--num_instances=1",
-                "--max_starts=20", f"--output={out}"])
+                "--max_starts=20", "--ls_seconds=2", f"--output={out}"])
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert (row["n"], row["variant"], row["starts"]) == (200, "OVRPBLTW", 20)
     assert row["plan"].startswith("20 of 200 POMO starts") and 0 < row["plan_bytes"] <= row["budget_bytes"]
-    assert row["feasible"] == 1 and row["cost_agrees"] and row["gap"] is None
-    assert "| 200 | OVRPBLTW | 20 of 200 POMO starts" in (tmp_path / "large.md").read_text()
+    assert row["feasible"] == 1 and row["cost_agrees"] and row["gap"] is None and "routes" not in row
+    # The local search after greedy: checked, its cost the checker's, never worse, within its limit (plus a round).
+    assert row["ls_feasible"] == 1 and row["ls_cost_agrees"] and row["ls_mean_cost"] <= row["mean_cost"] + 1e-9
+    assert row["ls_limit_seconds"] == 2 and row["ls_gap"] is None
+    text = (tmp_path / "large.md").read_text()
+    assert "| 200 | OVRPBLTW | 20 of 200 POMO starts" in text and "| 200 | OVRPBLTW | plain |" in text
     with pytest.raises(SystemExit, match="size 300 has no defined capacity"):
         large.main([f"--checkpoint={ckpt}", "--sizes=300", f"--output={out}"])
 

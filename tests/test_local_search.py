@@ -134,16 +134,18 @@ def test_replay_gives_the_checkers_verdict_on_all_variants_and_rules(starts):
 
 
 @pytest.mark.parametrize("variant", ["CVRP", "OVRPBLTW", "VRPBL"])
-def test_each_moves_cost_change_is_the_recomputed_one(starts, variant):
+@pytest.mark.parametrize("neighbours", [None, 4])
+def test_each_moves_cost_change_is_the_recomputed_one(starts, variant, neighbours):
     rng = np.random.default_rng(1)
     for inst, routes in starts[(variant, "paper")]:
         rules = RouteRules.from_instance(inst)
+        near = None if neighbours is None else moves.nearest(rules.dist, neighbours)
         coords = np.asarray(inst.locs, np.float64)
         is_open = bool(inst.is_open)
         layout = moves.Layout.from_routes(routes, N)
         before = checker.tours_cost(coords, routes, is_open)
         for kind in moves.KINDS:
-            cands = moves.GENERATORS[kind](layout, rules.arc)
+            cands = moves.generate(kind, layout, rules.arc, 1, near)
             assert len(cands.delta) > 0, kind
             pick = cands.take(rng.choice(len(cands.delta), size=min(40, len(cands.delta)), replace=False))
             rows, first, second = moves.build(layout, pick)
@@ -177,6 +179,9 @@ def test_improved_solutions_pass_the_checker_and_are_never_worse(starts, variant
         assert local_search.improve(rules, routes).routes == result.routes              # deterministic
         again = local_search.improve(rules, result.routes)                              # a local optimum
         assert again.routes == result.routes and sum(again.applied.values()) == 0
+        granular = local_search.improve(rules, routes, neighbours=4)                    # a small neighbourhood
+        assert checked(inst, granular.routes).feasible and granular.cost <= granular.start_cost
+        assert granular.local_optimum
 
 
 def test_the_search_improves_nearest_neighbour_starts(starts):
@@ -251,3 +256,55 @@ def test_an_infeasible_start_is_refused_naming_the_route():
     inst = tiny([[0, 0], [0.1, 0], [0.2, 0], [0.3, 0]], [0.0, 0.6, 0.6, 0.1])
     with pytest.raises(local_search.StartInfeasibleError, match=r"route 0: \[1, 2\]"):
         local_search.improve(RouteRules.from_instance(inst), [[1, 2], [3]])
+
+
+def test_nearest_lists_each_customers_k_nearest_others():
+    inst = jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP"))
+    dist = RouteRules.from_instance(inst).dist
+    near = moves.nearest(dist, 4)
+    assert near.shape == (N + 1, 4)
+    for u in range(1, N + 1):
+        others = [v for v in range(1, N + 1) if v != u]
+        assert sorted(dist[u, near[u]].tolist()) == sorted(sorted(dist[u, others].tolist())[:4])
+        assert u not in near[u] and 0 not in near[u]
+    assert moves.nearest(dist, 100).shape == (N + 1, N - 1)          # capped at every other customer
+
+
+INTER = ("relocate", "exchange", "two_opt_star")
+
+
+@pytest.mark.parametrize("variant", ["CVRP", "OVRPBLTW"])
+def test_granular_candidates_are_full_ones_once_each_adding_a_near_arc(starts, variant):
+    """With K neighbours every granular candidate is one of the full enumeration's, listed once, and adds an arc
+    between a customer and one of its K nearest or opens a route (an exchange swaps two such customers); with
+    every other customer as a neighbour the granular enumeration is the full one."""
+    for inst, routes in starts[(variant, "paper")]:
+        rules = RouteRules.from_instance(inst)
+        layout = moves.Layout.from_routes(routes, N)
+        for k in (N - 1, 4):
+            near = moves.nearest(rules.dist, k)
+            is_near = np.zeros((N + 1, N + 1), bool)
+            for u in range(1, N + 1):
+                is_near[u, near[u]] = True
+            for kind in INTER:
+                full = {tuple(c) for c in moves.generate(kind, layout, rules.arc, 3).params.tolist()}
+                granular = moves.generate(kind, layout, rules.arc, 3, near)
+                listed = [tuple(c) for c in granular.params.tolist()]
+                assert len(set(listed)) == len(listed) and set(listed) <= full, (kind, k)
+                if k == N - 1:
+                    assert set(listed) == full, kind
+                rows, first, second = moves.build(layout, granular)
+                a, a_len = moves.splice(layout, first)
+                b, b_len = moves.splice(layout, second)
+                old_arcs = {(t[m], t[m + 1]) for t in layout.rows.tolist() for m in range(len(t) - 1)}
+                for c in range(len(listed)):
+                    if kind == "exchange":
+                        r, i, s_, j = listed[c][:4]
+                        u, v = layout.rows[r, i], layout.rows[s_, j]
+                        assert is_near[u, v] or is_near[v, u], (k, listed[c])
+                        continue
+                    new_routes = [a[c, :a_len[c]].tolist(), b[c, :b_len[c]].tolist()]
+                    added = {(p, q) for t in new_routes if t for p, q in zip([0, *t], [*t, 0])} - old_arcs
+                    near_arc = any(p and q and (is_near[p, q] or is_near[q, p]) for p, q in added)
+                    opens = rows[c, 1] == len(layout.sizes) - 1
+                    assert near_arc or opens, (kind, k, listed[c])

@@ -7,7 +7,8 @@
 Moves: 2-opt and or-opt within a route; relocate, exchange and 2-opt* between routes (``moves``). Every
 candidate route is replayed under the environment's rules (``route_rules``: capacity under the instance's
 backhaul rule, time windows, route limits, open routes), so whatever the checker accepts and only that is
-accepted; the descent (``descent``) applies improving moves until none is left.
+accepted; the descent (``descent``) applies improving moves until none is left. Inter-route moves are granular
+(``neighbours``: only those adding an arc between a customer and one of its 40 nearest; None: every candidate).
 """
 
 from __future__ import annotations

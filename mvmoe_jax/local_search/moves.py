@@ -18,6 +18,12 @@ Kinds (positions are indices into a row; a route of m customers has them at 1..m
 
 The cost change of each candidate is computed from the four to six arcs it removes and adds (``arc``: the
 cost of each arc, open routes' arcs into the depot free), float64.
+
+Granular neighbourhoods: given ``near`` (int (n+1, K), each customer's K nearest customers, ``nearest``), the
+inter-route moves enumerate only candidates that add an arc from a customer to one of its K nearest (relocate:
+the segment's head after a neighbour or its tail before one, or the segment alone in a new route; exchange: a
+customer and one of its neighbours; 2-opt*: a new arc (x, y') with y' near x, or a route split), which cuts the
+candidates of a round from O(n^2) to O(nK). Without ``near`` every candidate is enumerated.
 """
 
 from __future__ import annotations
@@ -29,6 +35,24 @@ import numpy as np
 KINDS = ("two_opt", "or_opt", "relocate", "exchange", "two_opt_star")
 INTRA = ("two_opt", "or_opt")
 OR_OPT_SEGMENT = 3
+
+
+def nearest(dist: np.ndarray, k: int) -> np.ndarray:
+    """int32 (n+1, k): each customer's k nearest other customers by ``dist`` (float (n+1, n+1)), nearest first
+    (ties by index); the depot's row is unused (zeros). k is capped at n - 1."""
+    n = dist.shape[0] - 1
+    k = max(0, min(k, n - 1))
+    d = np.array(dist[1:, 1:], np.float64)
+    np.fill_diagonal(d, np.inf)
+    order = np.argsort(d, axis=1, kind="stable")[:, :k] + 1
+    return np.concatenate([np.zeros((1, k), np.int64), order]).astype(np.int32)
+
+
+def _is_near(near: np.ndarray) -> np.ndarray:
+    """bool (n+1, n+1): [u, v] when v is one of u's neighbours (never for the depot)."""
+    out = np.zeros((near.shape[0], near.shape[0]), bool)
+    out[np.repeat(np.arange(1, near.shape[0]), near.shape[1]), near[1:].ravel()] = True
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,13 +190,17 @@ def _build_or_opt(layout: Layout, r, i, k, rev, p, _):
     return first, None
 
 
-def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1) -> Candidates:
+def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1, near: np.ndarray | None = None) -> Candidates:
     rows, sizes = layout.rows, layout.sizes
     r, i, k, rev = _segments(layout, max_len)
-    # Insertion slots: between positions p and p + 1 of row s, p = 0..size.
-    s_all, p_all = np.nonzero(np.arange(rows.shape[1])[None, :] <= sizes[:, None])
-    seg, slot = np.nonzero(r[:, None] != s_all[None, :])
-    r, i, k, rev, s, p = r[seg], i[seg], k[seg], rev[seg], s_all[slot], p_all[slot]
+    if near is None:
+        # Insertion slots: between positions p and p + 1 of row s, p = 0..size.
+        s_all, p_all = np.nonzero(np.arange(rows.shape[1])[None, :] <= sizes[:, None])
+        seg, slot = np.nonzero(r[:, None] != s_all[None, :])
+        s, p = s_all[slot], p_all[slot]
+    else:
+        seg, s, p = _near_slots(layout, near, r, i, k, rev)
+    r, i, k, rev = r[seg], i[seg], k[seg], rev[seg]
     # A whole route moved into the empty row changes nothing.
     keep = ~((sizes[s] == 0) & (k == sizes[r]))
     r, i, k, rev, s, p = r[keep], i[keep], k[keep], rev[keep], s[keep], p[keep]
@@ -182,17 +210,47 @@ def relocate(layout: Layout, arc: np.ndarray, max_len: int = 1) -> Candidates:
     return Candidates("relocate", delta, _params(r, i, k, rev, s, p))
 
 
+def _near_slots(layout: Layout, near: np.ndarray, r, i, k, rev):
+    """Granular insertion slots of segments (row, first position, count, reversed): each segment after a
+    neighbour of its head, before a neighbour of its tail, and alone in the empty row; (segment index, row,
+    position p: between p and p + 1), each once, in other routes than the segment's."""
+    rows = layout.rows
+    f, l = rows[r, i], rows[r, i + k - 1]
+    head, tail = np.where(rev == 1, l, f), np.where(rev == 1, f, l)
+    count, width = len(r), near.shape[1]
+    seg = np.repeat(np.arange(count), width)
+    after, before = near[head].ravel(), near[tail].ravel()
+    s_after, p_after = layout.route_of[after], layout.position[after]
+    s_before, p_before = layout.route_of[before], layout.position[before] - 1
+    # A slot both after a neighbour of the head and before one of the tail is listed once, as the former.
+    once = ~_is_near(near)[head[seg], rows[s_before, p_before]]
+    empty = len(layout.sizes) - 1
+    seg = np.concatenate([seg, seg[once], np.arange(count)])
+    s = np.concatenate([s_after, s_before[once], np.full(count, empty)])
+    p = np.concatenate([p_after, p_before[once], np.zeros(count, np.int32)])
+    keep = s != r[seg]
+    return seg[keep], s[keep], p[keep]
+
+
 def _build_relocate(layout: Layout, r, i, k, rev, s, p):
     m_r, m_s = layout.sizes[r], layout.sizes[s]
     return (_pieces((r, 1, i - 1, 0), (r, i + k, m_r - i - k + 1, 0)),
             _pieces((s, 1, p, 0), (r, i, k, rev), (s, p + 1, m_s - p, 0)))
 
 
-def exchange(layout: Layout, arc: np.ndarray) -> Candidates:
+def exchange(layout: Layout, arc: np.ndarray, near: np.ndarray | None = None) -> Candidates:
     rows, sizes, route_of, position = layout.rows, layout.sizes, layout.route_of, layout.position
-    u, v = np.nonzero(route_of[:, None] < route_of[None, :])
-    keep = (u >= 1) & (route_of[u] >= 0)
-    u, v = u[keep], v[keep]
+    if near is None:
+        u, v = np.nonzero(route_of[:, None] < route_of[None, :])
+        keep = (u >= 1) & (route_of[u] >= 0)
+        u, v = u[keep], v[keep]
+    else:       # a customer and one of its neighbours (a mutual pair once), the one of the lower route first
+        a = np.repeat(np.arange(1, len(route_of)), near.shape[1])
+        b = near[1:].ravel()
+        keep = (route_of[a] != route_of[b]) & ~(_is_near(near)[b, a] & (b < a))
+        a, b = a[keep], b[keep]
+        first = route_of[a] < route_of[b]
+        u, v = np.where(first, a, b), np.where(first, b, a)
     r, i, s, j = route_of[u], position[u], route_of[v], position[v]
     a_u, b_u, a_v, b_v = rows[r, i - 1], rows[r, i + 1], rows[s, j - 1], rows[s, j + 1]
     delta = (arc[a_u, v] + arc[v, b_u] - arc[a_u, u] - arc[u, b_u]
@@ -206,9 +264,12 @@ def _build_exchange(layout: Layout, r, i, s, j, *_):
             _pieces((s, 1, j - 1, 0), (r, i, 1, 0), (s, j + 1, sizes[s] - j, 0)))
 
 
-def two_opt_star(layout: Layout, arc: np.ndarray) -> Candidates:
+def two_opt_star(layout: Layout, arc: np.ndarray, near: np.ndarray | None = None) -> Candidates:
     rows, sizes = layout.rows, layout.sizes
-    r, s, i, j = np.nonzero(np.ones((len(sizes), len(sizes), rows.shape[1], rows.shape[1]), bool))
+    if near is None:
+        r, s, i, j = np.nonzero(np.ones((len(sizes), len(sizes), rows.shape[1], rows.shape[1]), bool))
+    else:
+        r, s, i, j = _near_tail_swaps(layout, near)
     keep = (r < s) & (i <= sizes[r]) & (j <= sizes[s]) & (sizes[r] > 0)
     # Cutting both routes at their ends (or both at their starts) leaves them as they are.
     keep &= ~((i == sizes[r]) & (j == sizes[s])) & ~((i == 0) & (j == 0))
@@ -216,6 +277,32 @@ def two_opt_star(layout: Layout, arc: np.ndarray) -> Candidates:
     x, x1, y, y1 = rows[r, i], rows[r, i + 1], rows[s, j], rows[s, j + 1]
     delta = arc[x, y1] + arc[y, x1] - arc[x, x1] - arc[y, y1]
     return Candidates("two_opt_star", delta, _params(r, i, s, j))
+
+
+def _near_tail_swaps(layout: Layout, near: np.ndarray):
+    """Granular 2-opt* candidates (row r, cut i, row s, cut j) with r < s: those adding an arc (x, w) or (w, x)
+    between a customer x and one of its neighbours w, and every split of a route into the empty row; each
+    once."""
+    rows, route_of, position, sizes = layout.rows, layout.route_of, layout.position, layout.sizes
+    is_near = _is_near(near)
+    x = np.repeat(np.arange(1, len(route_of)), near.shape[1])
+    w = near[1:].ravel()
+    back = ~is_near[w, x]                 # the arc (w, x) where x is not also w's neighbour (else listed from w)
+    tail, head = np.concatenate([x, w[back]]), np.concatenate([w, x[back]])      # the arc (tail, head) added
+    r, i = route_of[tail], position[tail]
+    s, j = route_of[head], position[head] - 1
+    swap = r > s
+    r, s, i, j = np.where(swap, s, r), np.where(swap, r, s), np.where(swap, j, i), np.where(swap, i, j)
+    # A candidate adds two arcs, (x, y') and (y, x'); when both are near ones, keep it from the first only.
+    first_tail, first_head = rows[r, i], rows[s, j + 1]
+    second = (first_tail != tail) | (first_head != head)
+    listed = (first_tail > 0) & (first_head > 0) & (is_near[first_tail, first_head] | is_near[first_head, first_tail])
+    keep = ~(second & listed)
+    r, s, i, j = r[keep], s[keep], i[keep], j[keep]
+    split_r, split_i = np.nonzero(np.arange(rows.shape[1])[None, :] < sizes[:, None])
+    empty = len(sizes) - 1
+    return (np.concatenate([r, split_r]), np.concatenate([s, np.full(len(split_r), empty)]),
+            np.concatenate([i, split_i]), np.concatenate([j, np.zeros(len(split_r), np.int64)]))
 
 
 def _build_two_opt_star(layout: Layout, r, i, s, j, *_):
@@ -244,3 +331,14 @@ def build(layout: Layout, cands: Candidates) -> tuple[np.ndarray, np.ndarray, np
 
 GENERATORS = {"two_opt": two_opt, "or_opt": or_opt, "relocate": relocate, "exchange": exchange,
               "two_opt_star": two_opt_star}
+
+
+def generate(kind: str, layout: Layout, arc: np.ndarray, max_segment: int = 1,
+             near: np.ndarray | None = None) -> Candidates:
+    """The candidates of ``kind``: relocate's segments of at most ``max_segment``; the inter-route kinds
+    restricted to ``near`` (granular) when given; the intra-route kinds always whole."""
+    if kind == "relocate":
+        return relocate(layout, arc, max_segment, near)
+    if kind in INTRA:
+        return GENERATORS[kind](layout, arc)
+    return GENERATORS[kind](layout, arc, near)
