@@ -109,7 +109,8 @@ def neural(path: str, search: str, *, checkpoint: str, seconds: float, distance_
     from mvmoe_jax import solve
 
     report = solve.solve([path], checkpoint=checkpoint, search=search,
-                         time_limit=seconds if search != "greedy" else None, distance_bias=distance_bias)
+                         time_limit=seconds if search != "greedy" else None, distance_bias=distance_bias,
+                         improve="none")
     if not report.solutions:
         raise SystemExit(f"{path}: not solved ({'; '.join(r.error for r in report.refused)})")
     s = report.solutions[0]

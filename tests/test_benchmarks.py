@@ -661,9 +661,10 @@ def test_backhaul_rules_zero_shot_compares_greedy_with_ortools_under_each_rule(t
         zs.main(["--variants=CVRP", f"--output={out}"])
 
 
-def test_setx_by_size_picks_files_across_each_group_and_reports_both_decodings(tmp_path, monkeypatch):
+def test_setx_by_size_picks_files_across_each_group_and_reports_each_configuration(tmp_path, monkeypatch):
     """benchmarks/setx_by_size.py: files spread over each size group, best-known values from their .sol files, one
-    solve with the size defaults and one without the distance bias (a stand-in here), the report by group."""
+    solve with the size defaults, one without the local search and one without it and the distance bias (a
+    stand-in here), the report by group with the local search's seconds counted."""
     import types
 
     from mvmoe_jax import solve
@@ -681,23 +682,27 @@ def test_setx_by_size_picks_files_across_each_group_and_reports_both_decodings(t
         table = json.loads(open(bks).read())["Set-X"]
         calls.append(options)
         names = [os.path.basename(p)[:-4] for p in paths]
-        extra = 0.2 if options.get("distance_bias") == 0.0 else 0.1
-        sols = [types.SimpleNamespace(name=n, gap=extra * 100, feasible=True, seconds=1.0, starts=50,
-                                      convention_cost=table[n] * (1 + extra)) for n in names]
+        extra = 0.3 if options.get("distance_bias") == 0.0 else 0.2 if options.get("improve") == "none" else 0.1
+        ls = 0.0 if options.get("improve") == "none" else 2.0
+        sols = [types.SimpleNamespace(name=n, gap=extra * 100, feasible=True, seconds=1.0, improve_seconds=ls,
+                                      starts=50, convention_cost=table[n] * (1 + extra)) for n in names]
         return types.SimpleNamespace(solutions=sols)
 
     monkeypatch.setattr(solve, "solve", fake_solve)
     out = tmp_path / "setx.json"
     assert sx.main([f"--data_dir={tmp_path}", "--per_group=2", "--groups=100-299,400-500,600-1000",
                     f"--output={out}"]) == 0
-    assert calls == [{}, {"distance_bias": 0.0}]
+    assert calls == [{}, {"improve": "none"}, {"improve": "none", "distance_bias": 0.0}]
     report = json.loads(out.read_text())
     assert [g["group"] for g in report["groups"]] == ["100-299", "600-1000"]      # 400-500 holds no file
     first = report["groups"][0]
-    assert first["instances"] == ["X-n101-k5", "X-n125-k5"] and first["feasible"] == 4
+    assert first["instances"] == ["X-n101-k5", "X-n125-k5"] and first["feasible"] == 6
     assert first["defaults"]["mean_gap"] == pytest.approx(10.0)
-    assert first["no distance bias"]["mean_gap"] == pytest.approx(20.0)
-    assert "| 100-299 | X-n101-k5, X-n125-k5 | 10.00 | 20.00 |" in (tmp_path / "setx.md").read_text()
+    assert first["defaults"]["seconds_per_instance"] == pytest.approx(3.0)
+    assert first["no local search"]["mean_gap"] == pytest.approx(20.0)
+    assert first["neither"]["mean_gap"] == pytest.approx(30.0)
+    assert "| 100-299 | X-n101-k5, X-n125-k5 | 10.00 | 3.0 | 20.00 | 1.0 | 30.00 | 1.0 | 6/6 |" in (
+        tmp_path / "setx.md").read_text()
     for bad in ("100", "300-200", "a-b"):
         with pytest.raises(SystemExit, match="expected LOW-HIGH"):
             sx.main([f"--data_dir={tmp_path}", f"--groups={bad}"])

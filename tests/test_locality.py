@@ -236,34 +236,42 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
     assert "n = 20: model small_n20, decoding with distance_bias 0.5, candidates 4\n" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "candidates": 4,
-                                          "max_starts": None, "size_default": []}}
+                                          "max_starts": None, "improve": "none", "size_default": []}}
     assert summary["instances"][0]["feasible"]
     assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
     assert "n = 20: model small_n20\n" in capsys.readouterr().out
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
     assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "candidates": 0, "max_starts": None,
-                                        "size_default": []}}
+                                        "improve": "none", "size_default": []}}
     assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: candidates must be a whole number of nodes >= 0 (0: all), got -1"]
 
 
-def test_instances_twice_the_training_size_get_the_distance_bias_unless_told_otherwise(tmp_path, shipped_small, capsys):
-    """small_n10 was trained at n = 10: on n = 20 the solver decodes with the size default, says so and records it;
-    options given on the command line win over it."""
+def test_instances_twice_the_training_size_get_the_distance_bias_and_the_local_search_unless_told_otherwise(
+        tmp_path, shipped_small, capsys):
+    """small_n10 was trained at n = 10: on n = 20 the solver decodes with the size default's distance bias and then
+    runs the local search, says so and records it; options given on the command line win over it."""
     path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
     assert main([str(path), "--checkpoint=small_n10", f"--output={tmp_path / 'biased'}", "--no_progress"]) == 0
+    out = capsys.readouterr().out
     assert ("n = 20: model small_n10, decoding with distance_bias 1 (the default from 2x the training size; "
-            "--distance_bias=0 turns it off)") in capsys.readouterr().out
+            "--distance_bias=0 turns it off), then the local search (the default from 2x the training size; "
+            "--improve=none turns it off)") in out
+    assert "local search: " in out
     biased = json.loads((tmp_path / "biased" / "summary.json").read_text())
     assert biased["decoding"] == {"20": {"model": "small_n10", "distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS,
-                                         "candidates": 0, "max_starts": None, "size_default": ["distance_bias"]}}
-    assert biased["instances"][0]["feasible"]
-    assert main([str(path), "--checkpoint=small_n10", "--distance_bias=0", "--candidates=5",
+                                         "candidates": 0, "max_starts": None, "improve": "ls",
+                                         "size_default": ["distance_bias", "improve"]}}
+    solution = biased["instances"][0]
+    assert solution["feasible"] and solution["improve"] == "ls" and biased["improve"] == "ls"
+    assert solution["cost"] <= solution["searched_cost"] + 1e-9
+    assert main([str(path), "--checkpoint=small_n10", "--distance_bias=0", "--candidates=5", "--improve=none",
                  f"--output={tmp_path / 'told'}", "--no_progress"]) == 0
     told = json.loads((tmp_path / "told" / "summary.json").read_text())
     assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "candidates": 5, "max_starts": None,
-                                      "size_default": []}
+                                      "improve": "none", "size_default": []}
+    assert told["instances"][0]["improve"] == "none" and told["improve"] == "none"
 
 
 def test_large_instances_decode_from_fewer_starts_unless_told(tmp_path, shipped_small, monkeypatch, capsys):
@@ -273,8 +281,8 @@ def test_large_instances_decode_from_fewer_starts_unless_told(tmp_path, shipped_
     path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
     assert main([str(path), f"--output={tmp_path / 'capped'}", "--no_progress"]) == 0
     out = capsys.readouterr().out
-    assert ("n = 20: model small_n20, decoding with max_starts 12 (the default above 12 customers; --max_starts=N "
-            "to change)") in out and "n=20 greedy: 12 of 20 POMO starts" in out
+    assert ("n = 20: model small_n20, decoding with max_starts 12 (the default above 12 customers, at most 50,000 / "
+            "n; --max_starts=N to change)") in out and "n=20 greedy: 12 of 20 POMO starts" in out
     capped = json.loads((tmp_path / "capped" / "summary.json").read_text())
     assert capped["decoding"]["20"]["max_starts"] == 12 and capped["decoding"]["20"]["size_default"] == ["max_starts"]
     assert capped["instances"][0]["starts"] == 12 and capped["instances"][0]["feasible"]
@@ -282,6 +290,13 @@ def test_large_instances_decode_from_fewer_starts_unless_told(tmp_path, shipped_
     everything = json.loads((tmp_path / "all" / "summary.json").read_text())
     assert everything["instances"][0]["starts"] == 20 and everything["decoding"]["20"]["size_default"] == []
     assert models.size_default_max_starts(12) is None
+
+
+def test_the_default_starts_shrink_with_the_size_and_the_local_search_follows_the_training_size():
+    assert models.size_default_max_starts(200) is None
+    assert [models.size_default_max_starts(n) for n in (201, 250, 500, 1000, 2000)] == [200, 200, 100, 50, 25]
+    assert [models.size_default_improve(50, n) for n in (50, 99, 100, 1000)] == ["none", "none", "ls", "ls"]
+    assert models.size_default_improve(None, 1000) == "none"          # a checkpoint of unknown training size
 
 
 def test_the_size_default_follows_the_training_size_and_yields_to_the_model_and_the_user():

@@ -33,10 +33,11 @@ def _parser(searches) -> argparse.ArgumentParser:
                         "instance's node embeddings adapted by gradient steps), keeping the best; sgbs: then "
                         "simulation-guided beam search (each beam node's children valued by a greedy rollout); "
                         "sgbs_eas: then rounds of an EAS iteration and an SGBS pass on the adapted embeddings")
-    p.add_argument("--improve", default="none", choices=("none", "ls"),
+    p.add_argument("--improve", default=None, choices=("none", "ls"),
                    help="ls: then a local search on each solution (2-opt, or-opt, relocate, exchange, 2-opt* under "
                         "the instance's rules, to a local optimum; its time is reported apart and not part of "
-                        "--time_limit)")
+                        "--time_limit); default: ls on instances of at least twice a shipped model's training "
+                        "size, none below")
     p.add_argument("--time_limit", type=float, default=None,
                    help="seconds per instance for the search, greedy included (compilation not)")
     p.add_argument("--rounds", type=int, default=None, help="sampling: at most this many rounds (default 10 without "
@@ -87,7 +88,7 @@ def _parser(searches) -> argparse.ArgumentParser:
 
 def _local_search_line(solutions) -> str:
     """What the local search did over the feasible solutions: how many it improved, by how much, in what time."""
-    done = [s for s in solutions if s.feasible and s.searched_cost]
+    done = [s for s in solutions if s.feasible and s.searched_cost and s.improve == "ls"]
     if not done:
         return "local search: no feasible solution to improve"
     change = [(s.cost - s.searched_cost) / s.searched_cost * 100.0 for s in done]

@@ -29,7 +29,8 @@ from mvmoe_jax.instances import Instance, stack, take
 from mvmoe_jax.nn.policy import PolicyConfig
 from mvmoe_jax.solve import eas, outputs, sgbs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
-from mvmoe_jax.solve.models import (Models, decoding_for, size_default_max_starts, size_default_note,
+from mvmoe_jax.solve.models import (Models, decoding_for, size_default_improve, size_default_max_starts,
+                                    size_default_note,
                                    trained_size_of)
 from mvmoe_jax.solve.search import SEARCHES, Decoder, Settings
 
@@ -136,8 +137,9 @@ class SolveReport:
     adapted_file: what was written (``outputs.write_adapted``); decoding: per size (its key the number of
     customers as text), the model, the distance-aware decoding options it decoded with and the POMO starts it
     decoded at most ({"model": name, "distance_bias": alpha, "candidates": k, "max_starts": starts or None for all,
-    "size_default": the options the size defaults chose}; ``nn/locality.py``, ``models.decoding_for``,
-    ``models.size_default_max_starts``)."""
+    "improve": the improvement after the search, "size_default": the options the size defaults chose};
+    ``nn/locality.py``, ``models.decoding_for``, ``models.size_default_max_starts``,
+    ``models.size_default_improve``). improve: the one given, else ``ls`` when a size default chose it for any."""
 
     solutions: list[Solution]
     refused: list[Refused]
@@ -218,7 +220,8 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
                    on_solution: Callable[[Problem, Solution], None] | None = None,
                    execution: ExecutionPlan | None = None, keep_adapted: bool = False, improve: str = "none",
                    on_plan: Callable[[str, str], None] | None = None,
-                   settings_for: Callable[[int], Settings] | None = None
+                   settings_for: Callable[[int], Settings] | None = None,
+                   improve_for: Callable[[int], str] | None = None
                    ) -> tuple[list[Solution], dict[str, str], float]:
     """Solve ``problems`` (batches of one size; ``model_for(n)`` -> (name, config, params)). Returns (solutions
     in input order, decoding plans by size and program, compilation seconds). ``on_solution`` is called as
@@ -226,7 +229,8 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
     each Solution keeps EAS's adapted embeddings (``search="eas"`` only). ``improve``: ``ls`` runs the local search
     on each searched solution (``IMPROVERS``). ``progress``: a bar over the instances that names each batch's stage
     (compiling, greedy, the search's rounds). ``on_plan(what, plan)`` is called with each new decoding plan.
-    ``settings_for(n)``: the settings for instances of n customers (default ``settings`` for every size)."""
+    ``settings_for(n)``: the settings for instances of n customers (default ``settings`` for every size);
+    ``improve_for(n)`` likewise the improvement (default ``improve``)."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; choose one of {', '.join(SEARCHES)}")
     _check_improve(improve)
@@ -261,7 +265,8 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         real = take(batch, np.arange(len(group)))
         searched = [checker.actions_to_route(a) for a in res.actions[:len(group)]]
         routes, costs, improve_s = searched, [float(c) for c in res.cost[:len(group)]], [0.0] * len(group)
-        if improve == "ls":
+        size_improve = improve if improve_for is None else improve_for(n)
+        if size_improve == "ls":
             decoder.on_stage("local search")
             routes, costs, improve_s = _local_search(real, searched, costs)
         decoder.on_stage("checking and writing")
@@ -269,7 +274,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         for j, (i, p) in enumerate(zip(idx, group)):
             searched_cost = checker.tours_cost(p.coords, checker.split_subtours(searched[j]), bool(p.instance.is_open))
             out[i] = _solution(p, routes[j], res.greedy_actions[j], checks[j], costs[j], float(res.greedy_cost[j]),
-                               improve=improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
+                               improve=size_improve, improve_seconds=improve_s[j], searched_cost=searched_cost,
                                seconds=res.seconds / len(group), greedy_seconds=res.greedy_seconds / len(group),
                                compile_seconds=res.compile_seconds / len(group), starts=res.plans["greedy"].starts, search=search,
                                rounds=res.rounds, model=name, samples=res.samples,
@@ -341,7 +346,11 @@ def _model_lines(decoding: dict[str, dict]) -> list[str]:
     for size, d in decoding.items():
         options = [f"{k} {d[k]:g}" + (f" ({size_default_note(k)})" if k in d["size_default"] else "")
                    for k in ("distance_bias", "candidates", "max_starts") if d.get(k)]
-        lines.append(f"n = {size}: model {d['model']}" + (", decoding with " + ", ".join(options) if options else ""))
+        line = f"n = {size}: model {d['model']}" + (", decoding with " + ", ".join(options) if options else "")
+        if d.get("improve") == "ls":
+            line += ", then the local search" + (f" ({size_default_note('improve')})"
+                                                 if "improve" in d["size_default"] else "")
+        lines.append(line)
     return lines
 
 
@@ -352,7 +361,7 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
           batch_size: int | None = None, output: str | None = None, plot: bool = False, progress: bool = False,
           memory_budget: int | None = None, execution: ExecutionPlan | None = None,
           eas_learning_rate: float = eas.LEARNING_RATE, eas_imitation_weight: float = eas.IMITATION_WEIGHT,
-          save_adapted: str | None = None, improve: str = "none", beam_width: int = sgbs.BEAM_WIDTH,
+          save_adapted: str | None = None, improve: str | None = None, beam_width: int = sgbs.BEAM_WIDTH,
           expansion: int = sgbs.EXPANSION, distance_bias: float | None = None,
           candidates: int | None = None, log: Callable[[str], None] | None = None) -> SolveReport:
     """Solve every instance in ``inputs`` (a file or folder, or a list of them; formats in ``inputs.FORMATS``).
@@ -369,7 +378,9 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     (None: the default backend's preset; results do not depend on it). distance_bias, candidates: the
     distance-aware decoding options (``PolicyConfig`` fields, ``nn/locality.py``; 0: off) for every model;
     None: each model's own, and for a model without any, the size default (``models.decoding_for``: the
-    distance bias on instances of at least twice a shipped model's training size). log: called with a line as soon as it is known (the model
+    distance bias on instances of at least twice a shipped model's training size). improve: ``none`` or ``ls``
+    (the local search after the search) for every instance; None: the size default (``models.size_default_improve``:
+    ``ls`` from twice a shipped model's training size). log: called with a line as soon as it is known (the model
     for each size, decoding options, each program's decoding plan), before the solving it describes ends.
 
     Inputs that cannot be read are refused (``report.refused``) and the rest solved; NothingToSolveError when
@@ -384,7 +395,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
         raise ValueError(f"--batch_size must be a positive integer, got {batch_size}")
     if save_adapted is not None and search != "eas":
         raise ValueError(f"--save_adapted needs --search=eas: only EAS adapts parameters (search is {search!r})")
-    _check_improve(improve)
+    if improve is not None:
+        _check_improve(improve)
     check_output_folder(output)
     log = log or (lambda line: None)
     settings = Settings(time_limit=time_limit, rounds=rounds, samples=samples, max_starts=max_starts,
@@ -405,16 +417,19 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     given = {k: v for k, v in (("distance_bias", distance_bias), ("candidates", candidates)) if v is not None}
     # Per size: the model's config with the decoding options (given, the model's own, or the size default). Bad
     # values are refused here, before anything is solved or written.
-    configs, sized, decoding = {}, {}, {}
+    configs, sized, improvements, decoding = {}, {}, {}, {}
     for n, name in names.items():
         configs[n], by_size = decoding_for(models.load(name)[0], trained_size_of(name), n, given)
         sized[n] = settings
         if max_starts is None and size_default_max_starts(n) is not None:
             sized[n] = dataclasses.replace(settings, max_starts=size_default_max_starts(n))
             by_size = by_size + ["max_starts"]
+        improvements[n] = improve if improve is not None else size_default_improve(trained_size_of(name), n)
+        if improve is None and improvements[n] != "none":
+            by_size = by_size + ["improve"]
         decoding[str(n)] = {"model": name, "distance_bias": configs[n].distance_bias,
                             "candidates": configs[n].candidates, "max_starts": sized[n].max_starts,
-                            "size_default": by_size}
+                            "improve": improvements[n], "size_default": by_size}
 
     def model_for(n):
         return names[n], configs[n], models.load(names[n])[1]
@@ -428,13 +443,15 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
                                                      settings_for=sized.__getitem__, seed=seed,
                                                      batch_size=batch_size, progress=progress,
                                                      on_solution=_write(output, plot), execution=execution,
-                                                     keep_adapted=save_adapted is not None, improve=improve,
+                                                     keep_adapted=save_adapted is not None,
+                                                     improve_for=improvements.__getitem__,
                                                      on_plan=lambda what, plan: log(f"{what}: {plan}"))
     warnings = [f"{p.name}: {note}" for p in problems for note in p.notes]
     warnings += outputs.below_best_known_warnings(solutions)
     warnings += outputs.idle_search_warning(solutions, search, time_limit, compile_s)
+    ran = improve if improve is not None else ("ls" if "ls" in improvements.values() else "none")
     report = SolveReport(solutions=solutions, refused=refused, search=search, settings=settings, seed=seed,
-                         improve=improve, models=names, plans=plans, compile_seconds=compile_s, seconds=0.0,
+                         improve=ran, models=names, plans=plans, compile_seconds=compile_s, seconds=0.0,
                          decoding=decoding, warnings=warnings)
     if save_adapted is not None:
         report.adapted_file = outputs.write_adapted(save_adapted, solutions)

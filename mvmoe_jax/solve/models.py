@@ -1,6 +1,7 @@
 """Which model solves which instances: the checkpoint given, or else the shipped model whose training size is
 closest to the instance size (``mvmoe_jax.shipped``); and with which distance-aware decoding options
-(``nn/locality.py``) by instance size, where the user names none."""
+(``nn/locality.py``), how many POMO starts and whether the local search follows, by instance size, where the
+user names none."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ _PREFERENCE = ("mvmoe", "mvmoe_light", "pomo_mtl", "pomo")
 # and measured from n = 100 to 1,000).
 SIZE_DEFAULT_DISTANCE_BIAS = 1.0
 BIAS_FROM_SIZE_RATIO = 2
-# Larger instances decode from at most this many POMO starts by default (n = 1,000 with the distance bias: routes
-# 0.14-0.24 % dearer than from all starts, in a quarter to a fifth of the time; docs/results.md).
+# Larger instances decode from at most SIZE_DEFAULT_MAX_STARTS POMO starts by default, and from fewer as they grow:
+# at most STARTS_TIMES_CUSTOMERS / n (200 at n = 250, 100 at 500, 50 at 1,000). At n = 1,000 with the distance
+# bias, greedy from 50 starts is 0.2-0.6 % dearer than from 200, in 9 s against 22-25 s an instance, time the
+# local search turns into far more (docs/results.md).
 SIZE_DEFAULT_MAX_STARTS = 200
+STARTS_TIMES_CUSTOMERS = 50_000
 
 
 class CheckpointRequiredError(ValueError):
@@ -100,13 +104,26 @@ def decoding_for(cfg: PolicyConfig, trained: int | None, num_customers: int, giv
 
 
 def size_default_max_starts(num_customers: int) -> int | None:
-    """The POMO starts decoded at most by default for ``num_customers`` customers: ``SIZE_DEFAULT_MAX_STARTS``
-    above it, else None (all)."""
-    return SIZE_DEFAULT_MAX_STARTS if num_customers > SIZE_DEFAULT_MAX_STARTS else None
+    """The POMO starts decoded at most by default for ``num_customers`` customers: above
+    ``SIZE_DEFAULT_MAX_STARTS`` customers, that many or ``STARTS_TIMES_CUSTOMERS // num_customers`` if fewer; else
+    None (all)."""
+    if num_customers <= SIZE_DEFAULT_MAX_STARTS:
+        return None
+    return min(SIZE_DEFAULT_MAX_STARTS, STARTS_TIMES_CUSTOMERS // num_customers)
+
+
+def size_default_improve(trained: int | None, num_customers: int) -> str:
+    """The improvement run by default after the search on ``num_customers`` customers with a model trained at
+    ``trained``: the local search (``ls``) from ``BIAS_FROM_SIZE_RATIO`` times the training size on, where the
+    policy alone is furthest from good solutions; ``none`` below it or when the training size is unknown."""
+    return "ls" if trained is not None and num_customers >= BIAS_FROM_SIZE_RATIO * trained else "none"
 
 
 def size_default_note(option: str) -> str:
-    """Why a size default set ``option`` (``distance_bias`` or ``max_starts``), and how to change it."""
+    """Why a size default set ``option`` (``distance_bias``, ``max_starts`` or ``improve``), and how to change it."""
     if option == "distance_bias":
         return f"the default from {BIAS_FROM_SIZE_RATIO}x the training size; --distance_bias=0 turns it off"
-    return f"the default above {SIZE_DEFAULT_MAX_STARTS} customers; --max_starts=N to change"
+    if option == "improve":
+        return f"the default from {BIAS_FROM_SIZE_RATIO}x the training size; --improve=none turns it off"
+    return (f"the default above {SIZE_DEFAULT_MAX_STARTS} customers, at most {STARTS_TIMES_CUSTOMERS:,} / n; "
+            "--max_starts=N to change")
