@@ -708,3 +708,53 @@ def test_setx_by_size_picks_files_across_each_group_and_reports_each_configurati
             sx.main([f"--data_dir={tmp_path}", f"--groups={bad}"])
     with pytest.raises(SystemExit, match="falls in --groups"):
         sx.main([f"--data_dir={tmp_path}", "--groups=2000-3000"])
+
+
+def test_vrptw_classes_groups_files_by_class_with_their_best_known_values(tmp_path, monkeypatch):
+    """benchmarks/vrptw_classes.py: files grouped into the six classes in order of number (Solomon and
+    Gehring-Homberger names), best-known values from .sol files or BKS.json, the defaults and the run without the
+    local search per class (a stand-in solve), classes without a best-known value reported without a gap."""
+    import types
+
+    from mvmoe_jax import solve
+
+    vc = _benchmarks_module("vrptw_classes")
+    assert [vc.instance_class(n) for n in ("C101", "c208", "R1_10_3", "RC2_10_10", "rc105")] == [
+        "C1", "C2", "R1", "RC2", "RC1"]
+    data = tmp_path / "set"
+    data.mkdir()
+    for name in ("C110", "C102", "C101", "R201", "RC101"):
+        (data / f"{name}.txt").write_text("unused\n")
+    (data / "C101.sol").write_text("Route #1: 1\nCost 100.0\n")
+    (tmp_path / "BKS.json").write_text(json.dumps({"Set-Solomon": {"C102": 200.0, "RC101": 400.0}}))
+    assert vc.choose_files(str(data), 2) == {"C1": [str(data / "C101.txt"), str(data / "C102.txt")],
+                                             "R2": [str(data / "R201.txt")], "RC1": [str(data / "RC101.txt")]}
+    calls = []
+
+    def fake_solve(paths, *, checkpoint, bks, **options):
+        table = json.loads(open(bks).read())["solomon"]
+        calls.append(options)
+        extra = 0.2 if options.get("improve") == "none" else 0.1
+        sols = []
+        for p in paths:
+            name = os.path.basename(p)[:-4]
+            cost = table.get(name, 1000.0) * (1 + extra)
+            sols.append(types.SimpleNamespace(name=name, convention_cost=cost, feasible=True, seconds=1.0,
+                                              improve_seconds=0.0 if extra == 0.2 else 0.5,
+                                              gap=extra * 100 if name in table else None))
+        return types.SimpleNamespace(solutions=sols)
+
+    monkeypatch.setattr(solve, "solve", fake_solve)
+    out = tmp_path / "classes.json"
+    assert vc.main([f"--data_dir={data}", "--per_class=2", f"--output={out}"]) == 0
+    assert calls == [{}, {"improve": "none"}]
+    rows = {r["class"]: r for r in json.loads(out.read_text())["classes"]}
+    assert set(rows) == {"C1", "R2", "RC1"} and rows["C1"]["files"] == 2
+    assert rows["C1"]["defaults"]["with_bks"] == 2 and rows["C1"]["defaults"]["mean_gap"] == pytest.approx(10.0)
+    assert rows["C1"]["no local search"]["mean_gap"] == pytest.approx(20.0)
+    assert rows["C1"]["defaults"]["seconds_per_instance"] == pytest.approx(1.5)
+    assert rows["R2"]["defaults"]["mean_gap"] is None and rows["R2"]["defaults"]["with_bks"] == 0
+    text = (tmp_path / "classes.md").read_text()
+    assert "| C1 | 2 | 2 | 10.00 | 1.5 | 20.00 | 1.0 | 4/4 |" in text and "| R2 | 1 | 0 | - | 1.5 | - | 1.0 | 2/2 |" in text
+    with pytest.raises(SystemExit, match="no such folder"):
+        vc.main([f"--data_dir={tmp_path / 'missing'}"])
