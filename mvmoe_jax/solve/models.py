@@ -22,7 +22,7 @@ SIZE_DEFAULT_DISTANCE_BIAS = 1.0
 BIAS_FROM_SIZE_RATIO = 2
 # Larger instances decode from at most SIZE_DEFAULT_MAX_STARTS POMO starts by default, and from fewer as they grow:
 # at most STARTS_TIMES_CUSTOMERS / n (200 at n = 250, 100 at 500, 50 at 1,000). At n = 1,000 with the distance
-# bias, greedy from 50 starts is 0.2-0.6 % dearer than from 200, in 9 s against 22-25 s an instance, time the
+# bias, greedy from 50 starts is 0.24-0.87 % dearer than from 200, in 9 s against 22-25 s an instance, time the
 # local search turns into far more (docs/results.md).
 SIZE_DEFAULT_MAX_STARTS = 200
 STARTS_TIMES_CUSTOMERS = 50_000
