@@ -758,3 +758,45 @@ def test_vrptw_classes_groups_files_by_class_with_their_best_known_values(tmp_pa
     assert "| C1 | 2 | 2 | 10.00 | 1.5 | 20.00 | 1.0 | 4/4 |" in text and "| R2 | 1 | 0 | - | 1.5 | - | 1.0 | 2/2 |" in text
     with pytest.raises(SystemExit, match="no such folder"):
         vc.main([f"--data_dir={tmp_path / 'missing'}"])
+
+
+def test_setx_search_puts_each_search_beside_or_tools_at_equal_wall_time(tmp_path, monkeypatch):
+    """benchmarks/setx_search.py: greedy and each search named through mvmoe_jax.solve (a stand-in here, recording
+    the time limit it was given), OR-Tools for real with workers x seconds per instance, gaps to the .sol costs and
+    every OR-Tools route checked, costs in the file's convention."""
+    import math
+    import types
+
+    from mvmoe_jax import solve
+
+    ss = _benchmarks_module("setx_search")
+    xy = [(0, 0), (10, 0), (0, 10), (-10, 0), (0, -10), (7, 7)]
+    text = ("NAME : X-n6-k2\nTYPE : CVRP\nDIMENSION : 6\nEDGE_WEIGHT_TYPE : EUC_2D\nCAPACITY : 10\nNODE_COORD_SECTION\n"
+            + "".join(f"{i + 1} {x} {y}\n" for i, (x, y) in enumerate(xy))
+            + "DEMAND_SECTION\n1 0\n2 4\n3 4\n4 4\n5 4\n6 2\nDEPOT_SECTION\n1\n-1\nEOF\n")
+    (tmp_path / "X-n6-k2.vrp").write_text(text)
+    (tmp_path / "X-n6-k2.sol").write_text("Route #1: 1 5 2\nRoute #2: 3 4\nCost 50\n")
+    calls = []
+
+    def fake_solve(paths, *, checkpoint, bks, **options):
+        calls.append(options)
+        best = json.loads(open(bks).read())["Set-X"]["X-n6-k2"]
+        return types.SimpleNamespace(solutions=[types.SimpleNamespace(
+            name="X-n6-k2", convention_cost=55.0, gap=(55.0 - best) / best * 100, seconds=0.2, improve_seconds=0.1,
+            feasible=True, rounds=3)])
+
+    monkeypatch.setattr(solve, "solve", fake_solve)
+    out = tmp_path / "search.json"
+    assert ss.main([f"--data_dir={tmp_path}", "--group=1-10", "--count=1", "--seconds=0.25", "--workers=1",
+                    f"--output={out}"]) == 0
+    assert calls == [{}, {"search": "sgbs_eas", "time_limit": 0.25}]
+    report = json.loads(out.read_text())
+    assert report["methods"]["sgbs_eas"]["X-n6-k2"]["gap"] == pytest.approx(10.0)
+    assert report["summary"]["greedy"]["seconds_per_instance"] == pytest.approx(0.3)
+    ortools = report["methods"]["OR-Tools"]["X-n6-k2"]
+    assert ortools["feasible"]
+    assert sorted(v for v in ortools["route"] if v) == [1, 2, 3, 4, 5]
+    seq = [0, *ortools["route"], 0]
+    rounded = sum(math.floor(math.dist(xy[a], xy[b]) + 0.5) for a, b in zip(seq, seq[1:]) if a or b)
+    assert ortools["cost"] == pytest.approx(rounded) and ortools["gap"] == pytest.approx((rounded - 50) / 50 * 100)
+    assert "| mean | **10.00** |" in (tmp_path / "search.md").read_text()
