@@ -91,7 +91,6 @@ def main(argv=None) -> int:
     lines += [f"| {r['n']} | {r['k']} | {r['rank_bisection_us']:.0f} | {r['top_k_us']:.0f} | {r['sort_us']:.0f} |"
               for r in rows]
     output = args.output or machine.default_output("candidate_selection")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     machine.write_report(report, output, "\n".join(lines))
     return 0
 

@@ -138,27 +138,20 @@ def policy_row(cfg, params, batch, *, max_starts: int | None, memory_budget: int
              "plan_bytes": plan.memory_bytes, "budget_bytes": plan.budget, "costs": costs.tolist()}, costs)
 
 
-def local_search_row(batch, routes: list[list[int]], seconds: float) -> tuple[dict, np.ndarray]:
-    """The local search for at most ``seconds`` on each instance's ``routes`` (the paper's flat format): the row's
-    local-search fields and the per-instance costs (unit square), each route replayed by the checker."""
-    import jax
+def local_search_row(batch, routes: list[list[int]], costs: np.ndarray, seconds: float) -> tuple[dict, np.ndarray]:
+    """The solver's local search (``solve.api.improve_routes``) for at most ``seconds`` on each instance's
+    ``routes`` (the paper's flat format) of cost ``costs``: the row's local-search fields and the per-instance
+    costs (unit square), each route replayed by the checker."""
+    from mvmoe_jax import checker
+    from mvmoe_jax.solve.api import improve_routes
 
-    from mvmoe_jax import checker, local_search
-
-    costs, times, found = [], [], []
-    for j, route in enumerate(routes):
-        t0 = time.perf_counter()
-        result = local_search.improve_instance(jax.tree.map(lambda x: x[j], batch), checker.split_subtours(route),
-                                               time_limit=seconds)
-        times.append(time.perf_counter() - t0)
-        costs.append(result.cost)
-        found.append([v for tour in result.routes for v in list(tour) + [0]])
+    found, found_costs, times = improve_routes(batch, routes, costs.tolist(), time_limit=seconds)
     checks = checker.check_routes(batch, found)
-    costs = np.asarray(costs, np.float64)
-    return {"ls_mean_cost": float(costs.mean()), "ls_seconds_per_instance": float(np.mean(times)),
+    found_costs = np.asarray(found_costs, np.float64)
+    return {"ls_mean_cost": float(found_costs.mean()), "ls_seconds_per_instance": float(np.mean(times)),
             "ls_limit_seconds": seconds, "ls_feasible": int(sum(c.feasible for c in checks)),
-            "ls_cost_agrees": bool(np.allclose(costs, [c.cost for c in checks], rtol=1e-4)),
-            "ls_costs": costs.tolist()}, costs
+            "ls_cost_agrees": bool(np.allclose(found_costs, [c.cost for c in checks], rtol=1e-4)),
+            "ls_costs": found_costs.tolist()}, found_costs
 
 
 def reference_row(batch, seconds: float, workers: int) -> tuple[dict, np.ndarray]:
@@ -288,7 +281,7 @@ def main(argv=None) -> int:
                 routes = row.pop("routes")
                 ls_costs = None
                 if args.ls_seconds > 0:
-                    ls_row, ls_costs = local_search_row(batch, routes, args.ls_seconds)
+                    ls_row, ls_costs = local_search_row(batch, routes, costs, args.ls_seconds)
                     row.update(ls_row, ls_gap=None)
                 if ref is not None:
                     row["reference"] = {k_: v for k_, v in report["references"][ref_key].items() if k_ != "costs"}

@@ -37,10 +37,12 @@ def default_output(name: str) -> str:
 
 
 def write_report(report: dict, output: str, markdown_text: str) -> None:
-    """``report`` as JSON at ``output`` and ``markdown_text`` beside it (``.md``), the markdown printed."""
+    """``report`` as JSON at ``output`` and ``markdown_text`` beside it (``.md``), the markdown printed; the
+    folder is made if missing."""
     import json
     import os
 
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as f:
         json.dump(report, f, indent=1)
     stem = os.path.splitext(output)[0]

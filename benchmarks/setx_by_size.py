@@ -123,7 +123,6 @@ def main(argv=None) -> int:
         report["groups"].append(row)
         print(f"{lo}-{hi}: " + ", ".join(f"{label} {row[label]['mean_gap']:.2f} %" for label in CONFIGS), flush=True)
     output = args.output or machine.default_output("setx_by_size")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     machine.write_report(report, output, markdown(report))
     return 0
 

@@ -130,7 +130,6 @@ def main(argv=None) -> int:
         print(f"{m}: mean gap {s['mean_gap']:.2f} %, {s['seconds_per_instance']:.1f} s, {s['feasible']}/{len(names)} "
               "feasible", flush=True)
     output = args.output or machine.default_output("setx_search")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     machine.write_report(report, output, markdown(report))
     return 0
 

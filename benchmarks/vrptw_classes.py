@@ -143,7 +143,6 @@ def main(argv=None) -> int:
         report["classes"].append(row)
         print(f"{cls}: " + ", ".join(f"{label} {row[label]['mean_gap']}" for label in CONFIGS), flush=True)
     output = args.output or machine.default_output(f"vrptw_classes_{args.set}")
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     machine.write_report(report, output, markdown(report))
     return 0
 

@@ -65,7 +65,8 @@ def _parser(searches) -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=int, default=None, metavar="K",
                    help="each step chooses among the K feasible customers nearest the current node, and the depot "
                         "(0: all; default: the model's, all for the shipped ones)")
-    p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default: all n up to 200 customers, 200 above)")
+    p.add_argument("--max_starts", type=int, default=None, help="at most this many POMO starts (default: all n up to 200 "
+                   "customers, min(200, 50,000 / n) above)")
     p.add_argument("--problem", default=None, help="the variant (e.g. OVRPTW) when the data does not say it all: "
                    "open routes, or a paper .pkl named otherwise")
     p.add_argument("--backhauls", default=None, choices=("paper", "classic", "mixed"),

@@ -268,7 +268,7 @@ def solve_problems(problems: Sequence[Problem], model_for: Callable[[int], tuple
         size_improve = improve if improve_for is None else improve_for(n)
         if size_improve == "ls":
             decoder.on_stage("local search")
-            routes, costs, improve_s = _local_search(real, searched, costs)
+            routes, costs, improve_s = improve_routes(real, searched, costs)
         decoder.on_stage("checking and writing")
         checks = checker.check_routes(real, routes)
         for j, (i, p) in enumerate(zip(idx, group)):
@@ -292,17 +292,18 @@ def _check_improve(improve: str) -> None:
         raise ValueError(f"unknown improvement {improve!r}; choose one of {', '.join(IMPROVERS)}")
 
 
-def _local_search(instances: Instance, routes: list[list[int]], costs: list[float]):
-    """The local search on each instance's flat route (a batched Instance): (flat routes, costs in the unit square,
-    seconds each). A route the environment refuses (a search that found no complete solution) is left as it is,
-    for the checker to report."""
+def improve_routes(instances: Instance, routes: list[list[int]], costs: list[float], time_limit: float | None = None):
+    """The local search (at most ``time_limit`` seconds each) on each instance's flat route (a batched Instance):
+    (flat routes, costs in the unit square, seconds each). A route the environment refuses (a search that found
+    no complete solution) is left as it is with its cost, for the checker to report."""
     from mvmoe_jax import local_search
 
     out, out_costs, seconds = [], [], []
     for j, route in enumerate(routes):
         t0 = time.perf_counter()
         try:
-            found = local_search.improve_instance(jax.tree.map(lambda x: x[j], instances), checker.split_subtours(route))
+            found = local_search.improve_instance(jax.tree.map(lambda x: x[j], instances), checker.split_subtours(route),
+                                                  time_limit=time_limit)
         except local_search.StartInfeasibleError:
             out.append(route)
             out_costs.append(costs[j])
@@ -419,12 +420,14 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
     # values are refused here, before anything is solved or written.
     configs, sized, improvements, decoding = {}, {}, {}, {}
     for n, name in names.items():
-        configs[n], by_size = decoding_for(models.load(name)[0], trained_size_of(name), n, given)
+        trained = trained_size_of(name)
+        configs[n], by_size = decoding_for(models.load(name)[0], trained, n, given)
         sized[n] = settings
-        if max_starts is None and size_default_max_starts(n) is not None:
-            sized[n] = dataclasses.replace(settings, max_starts=size_default_max_starts(n))
+        default_starts = size_default_max_starts(n)
+        if max_starts is None and default_starts is not None:
+            sized[n] = dataclasses.replace(settings, max_starts=default_starts)
             by_size = by_size + ["max_starts"]
-        improvements[n] = improve if improve is not None else size_default_improve(trained_size_of(name), n)
+        improvements[n] = improve if improve is not None else size_default_improve(trained, n)
         if improve is None and improvements[n] != "none":
             by_size = by_size + ["improve"]
         decoding[str(n)] = {"model": name, "distance_bias": configs[n].distance_bias,

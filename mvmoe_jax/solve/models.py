@@ -84,13 +84,17 @@ def trained_size_of(name: str) -> int | None:
     return trained_size(name) if name in shipped.names() else None
 
 
+def beyond_training_size(trained: int | None, num_customers: int) -> bool:
+    """Whether ``num_customers`` is at least ``BIAS_FROM_SIZE_RATIO`` times a known training size ``trained``:
+    where the distance bias and the local search apply by default."""
+    return trained is not None and num_customers >= BIAS_FROM_SIZE_RATIO * trained
+
+
 def size_default_decoding(trained: int | None, num_customers: int) -> dict[str, float]:
     """The decoding options used by default for ``num_customers`` with a model trained at ``trained`` customers:
     the distance bias from ``BIAS_FROM_SIZE_RATIO`` times the training size on; none below it or when the training
     size is unknown."""
-    if trained is not None and num_customers >= BIAS_FROM_SIZE_RATIO * trained:
-        return {"distance_bias": SIZE_DEFAULT_DISTANCE_BIAS}
-    return {}
+    return {"distance_bias": SIZE_DEFAULT_DISTANCE_BIAS} if beyond_training_size(trained, num_customers) else {}
 
 
 def decoding_for(cfg: PolicyConfig, trained: int | None, num_customers: int, given: dict
@@ -116,7 +120,7 @@ def size_default_improve(trained: int | None, num_customers: int) -> str:
     """The improvement run by default after the search on ``num_customers`` customers with a model trained at
     ``trained``: the local search (``ls``) from ``BIAS_FROM_SIZE_RATIO`` times the training size on, where the
     policy alone is furthest from good solutions; ``none`` below it or when the training size is unknown."""
-    return "ls" if trained is not None and num_customers >= BIAS_FROM_SIZE_RATIO * trained else "none"
+    return "ls" if beyond_training_size(trained, num_customers) else "none"
 
 
 def size_default_note(option: str) -> str:
