@@ -67,6 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.leader_advantage = 1.0          # each instance's best start's advantage x this (1: plain POMO)
     c.reward_normalization_alpha = 0.0  # rewards / a running mean cost per variant, this its rate (0: none)
     c.size_curriculum = ""            # "SIZE:LAST_EPOCH,...": smaller instances first, problem_size after
+    # "50,100,200": optimiser step s trains on the (s mod 3)-th size, its batch scaled by (problem_size / n)^2
+    # (at least 1 instance), reward normalisation kept per size; validation stays at problem_size. "": one size.
+    c.train_sizes = ""
     # End the run after this epoch (its checkpoint written), as if stopped there; the same command with a
     # larger value continues it. 0: run every epoch. The schedule still follows `epochs`.
     c.stop_after_epoch = 0

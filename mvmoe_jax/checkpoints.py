@@ -280,3 +280,18 @@ def load_policy(path: str | os.PathLike, cfg: PolicyConfig | None = None) -> tup
                                     f"({shipped.describe_available()})")
         raise FileNotFoundError(f"no checkpoint at {path}")
     return import_torch_checkpoint(path, cfg)
+
+
+def starting_weights(path: str | os.PathLike, cfg: PolicyConfig) -> dict:
+    """The parameters ({"params": ...}) at ``path`` (as ``load_policy``) as the start of training a model of
+    ``cfg``. A model that learns its distance bias (``cfg.learned_distance_bias``) may start from weights without
+    one: its ``distance_bias_alpha`` then starts at ``cfg.distance_bias``."""
+    if not cfg.learned_distance_bias:
+        return load_policy(path, cfg)[1]
+    source_cfg, params = load_policy(path)
+    if source_cfg.learned_distance_bias:
+        check_params_fit(params["params"], cfg, os.fspath(path))
+        return params
+    params = {"params": {**params["params"], "distance_bias_alpha": jnp.float32(cfg.distance_bias)}}
+    check_params_fit(params["params"], cfg, os.fspath(path))
+    return params

@@ -12,7 +12,7 @@ import numpy as np
 
 from mvmoe_jax import checker, checkpoints, evaluation, execution, io, precision, problems
 from mvmoe_jax.execution import ExecutionPlan
-from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.nn.policy import PolicyConfig, distance_bias_of, refuse_fixed_bias_on_learned
 
 
 DEFAULT_EVAL_BATCH = 64
@@ -42,12 +42,17 @@ def with_decoding_options(cfg: PolicyConfig, flags: Any) -> PolicyConfig:
     """The policy with the distance-aware decoding options given on the command line (``--distance_bias``,
     ``--candidates``; ``nn/locality.py``), the config's own where a flag is absent."""
     options = {name: getattr(flags, name) for name in DECODING_OPTIONS if getattr(flags, name, None) is not None}
+    refuse_fixed_bias_on_learned(cfg, options.get("distance_bias"))
     return dataclasses.replace(cfg, **options) if options else cfg
 
 
-def decoding_options(cfg: PolicyConfig) -> dict[str, Any]:
-    """{option: value} of the distance-aware decoding options a policy decodes with (for reports)."""
-    return {name: getattr(cfg, name) for name in DECODING_OPTIONS}
+def decoding_options(cfg: PolicyConfig, params) -> dict[str, Any]:
+    """{option: value} of the distance-aware decoding options a policy decodes with (for reports); a learned
+    bias is given by its value, with ``learned_distance_bias``."""
+    options = {name: getattr(cfg, name) for name in DECODING_OPTIONS}
+    if cfg.learned_distance_bias:
+        options.update(distance_bias=distance_bias_of(cfg, params), learned_distance_bias=True)
+    return options
 
 
 def execution_plan_of(flags: Any) -> ExecutionPlan:
@@ -87,7 +92,7 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
         raise ValueError(f"--aug must be 1 or 8, got {flags.aug}")
     batch_size = flags.batch_size or (config.eval_batch_size if config is not None else DEFAULT_EVAL_BATCH)
     print(f"model {cfg.model} from {flags.checkpoint}"
-          + ("" if not cfg.uses_locations else f"; decoding with {decoding_options(cfg)}"))
+          + ("" if not cfg.uses_locations else f"; decoding with {decoding_options(cfg, params)}"))
     if flags.vrplib_dir:
         return _evaluate_vrplib(cfg, params, flags, batch_size, plan)
     if not flags.data_dir:
@@ -116,7 +121,7 @@ def _run_evaluation(config: ml_collections.ConfigDict | None, flags: Any) -> dic
                              "mean_no_aug": _finite_or_none([res.mean_no_aug])[0], "gap": gap, "unsolved": unsolved,
                              "seconds": res.seconds, "compile_seconds": res.compile_seconds,
                              "reference": os.path.basename(ref_path) if gap is not None else None,
-                             **decoding_options(cfg)}
+                             **decoding_options(cfg, params)}
         rows.append((var.name, res.mean, res.mean_no_aug, gap, res.seconds))
         note = "" if not unsolved else (f"  {unsolved} of {len(res.obj)} instances unsolved (every rollout ran "
                                         "into a dead end), left out of obj and gap")
@@ -191,7 +196,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
         if not res.solved[0]:
             results[meta.name] = {"n": meta.num_customers, "obj": None, "bks": best, "gap": None,
                                   "solved": False, "seconds": res.seconds, "compile_seconds": res.compile_seconds,
-                                  "cost_convention": meta.cost_convention, **decoding_options(cfg)}
+                                  "cost_convention": meta.cost_convention, **decoding_options(cfg, params)}
             print(f"{meta.name:14s} {meta.num_customers:4d} no solution found: every rollout ran into a dead end",
                   flush=True)
             continue
@@ -203,7 +208,7 @@ def _evaluate_vrplib(cfg: PolicyConfig, params, flags, batch_size: int, plan: Ex
                               "bks": best, "gap": gap, "solved": True, "route": res.routes[0],
                               "seconds": res.seconds,
                               "compile_seconds": res.compile_seconds,
-                              "cost_convention": meta.cost_convention, **decoding_options(cfg)}
+                              "cost_convention": meta.cost_convention, **decoding_options(cfg, params)}
         print(f"{meta.name:14s} {meta.num_customers:4d} {obj:10.1f} {_fmt(best, '10.0f'):>10s} "
               f"{_fmt(gap, '7.2f'):>7s} {res.seconds:7.2f}", flush=True)
     if gaps:

@@ -36,7 +36,7 @@ PARAMS_FILE = "params.npz"
 CARD_FILE = "card.json"
 # The PolicyConfig fields that decide the parameter tree; the others choose how a model is executed.
 ARCHITECTURE_FIELDS = ("model", "embedding_dim", "num_heads", "num_layers", "ff_hidden_dim", "logit_clipping",
-                       "num_experts", "topk", "routing_method", "routing_level", "expert_loc")
+                       "num_experts", "topk", "routing_method", "routing_level", "expert_loc", "learned_distance_bias")
 
 
 class ShippedModelError(ValueError):

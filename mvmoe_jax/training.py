@@ -195,20 +195,28 @@ class StepSettings:
     pomo_size: the starts sampled per instance; leader_advantage: the factor on each instance's best
     start's advantage (1: plain POMO; see ``reinforce.reinforce_loss``); cost_scale_alpha: the rate of
     the per-variant reward normalisation (0: none; ``variant_cost_scale``) over the training variants'
-    ``variant_flags`` (O, B, L, TW)."""
+    ``variant_flags`` (O, B, L, TW). A run over several sizes (``train_sizes``) keeps one block of scales per
+    size, ``size_slots`` of them, this step's the ``size_slot``-th: costs of different sizes do not share a
+    running mean."""
 
     pomo_size: int
     aux_loss_coef: float
     leader_advantage: float = 1.0
     cost_scale_alpha: float = 0.0
     variant_flags: tuple[tuple[bool, ...], ...] = ()
+    size_slot: int = 0
+    size_slots: int = 1
 
     @property
     def normalises_rewards(self) -> bool:
         return self.cost_scale_alpha > 0
 
     def num_cost_scales(self) -> int:
-        return len(self.variant_flags) if self.normalises_rewards else 0
+        return len(self.variant_flags) * self.size_slots if self.normalises_rewards else 0
+
+    def cost_scale_block(self) -> slice:
+        """This step's scales within the state's ``cost_scale``."""
+        return slice(self.size_slot * len(self.variant_flags), (self.size_slot + 1) * len(self.variant_flags))
 
 
 def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepSettings, state: TrainState,
@@ -221,8 +229,10 @@ def train_step(policy: Policy, tx: optax.GradientTransformation, settings: StepS
 
     cost_scale, divisor = state.cost_scale, None
     if settings.normalises_rewards:
-        cost_scale, divisor = variant_cost_scale(state.cost_scale, jnp.asarray(settings.variant_flags, bool),
-                                                 inst.flags, traj.cost, traj.valid, settings.cost_scale_alpha)
+        block = settings.cost_scale_block()
+        scales, divisor = variant_cost_scale(state.cost_scale[block], jnp.asarray(settings.variant_flags, bool),
+                                             inst.flags, traj.cost, traj.valid, settings.cost_scale_alpha)
+        cost_scale = state.cost_scale.at[block].set(scales)
     loss_options = dict(cost_divisor=divisor, leader_advantage=settings.leader_advantage)
     if policy.plan.backward == "stepwise":
         def loss_of(ll, aux):

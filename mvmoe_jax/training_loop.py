@@ -36,7 +36,7 @@ from mvmoe_jax.cli import policy_config
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import CAPACITY_BY_SIZE
 from mvmoe_jax.nn import moe as moe_lib
-from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.nn.policy import PolicyConfig, distance_bias_of
 from mvmoe_jax.training import NonFiniteError, StepFunctions, StepSettings, TrainState
 from mvmoe_jax.training_validation import Validator, append_metrics, plot_validation, truncate_metrics
 
@@ -59,17 +59,33 @@ class RunSettings:
     problem_size: int = 50
     normalises_rewards: bool = False
     backhaul_rules: tuple[str, ...] = ("paper",)    # each training instance under one, drawn uniformly
+    # Training over several sizes (``train_sizes``): optimiser step s trains on sizes[s % len(sizes)]. () : none.
+    sizes: tuple[int, ...] = ()
 
     def batch_size_of(self, index: int, batch_size: int) -> int:
         return self.last_batch if index == self.steps_per_epoch - 1 else batch_size
 
     def size_at(self, epoch: int) -> int:
-        """The problem size of the instances trained on in ``epoch`` (1-based)."""
+        """The problem size of the instances trained on in ``epoch`` (1-based) under the size curriculum."""
         return next((size for size, last in self.curriculum if epoch <= last), self.problem_size)
 
+    def size_of_step(self, epoch: int, step: int) -> int:
+        """The problem size of optimiser step ``step`` (0-based, counted over the run) in ``epoch`` (1-based):
+        the size cycle's where the run has one, else the curriculum's."""
+        return self.sizes[step % len(self.sizes)] if self.sizes else self.size_at(epoch)
+
+    def instances_at(self, batch_size: int, num_customers: int) -> int:
+        """The instances of a batch of ``batch_size`` (counted at the run's problem size) at ``num_customers``:
+        in a size cycle scaled by (problem_size / num_customers)^2, at least 1, for about the same work per step
+        at every size (ICAM's scaling); else ``batch_size``."""
+        if not self.sizes:
+            return batch_size
+        return max(1, round(batch_size * (self.problem_size / num_customers) ** 2))
+
     def num_cost_scales(self) -> int:
-        """Length of the training state's ``cost_scale`` (one per training variant under reward normalisation)."""
-        return len(self.variants) if self.normalises_rewards else 0
+        """Length of the training state's ``cost_scale``: under reward normalisation one per training variant,
+        and per size of a size cycle."""
+        return len(self.variants) * max(1, len(self.sizes)) if self.normalises_rewards else 0
 
 
 def parse_size_curriculum(text: str, problem_size: int) -> tuple[tuple[int, int], ...]:
@@ -89,6 +105,19 @@ def parse_size_curriculum(text: str, problem_size: int) -> tuple[tuple[int, int]
     _require(all(a < b for a, b in zip([0] + lasts, lasts)),
              f"size_curriculum: the stages' last epochs must increase from 1, got {lasts}")
     return tuple(stages)
+
+
+def parse_train_sizes(text: str) -> tuple[int, ...]:
+    """``"50,100,200"`` -> (50, 100, 200): the sizes a run cycles through, each with a defined vehicle capacity,
+    no size twice. "": none (one size)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    _require(all(p.isdigit() for p in parts), f"train_sizes must be comma-separated sizes (e.g. '50,100,200'), "
+             f"got {text!r}")
+    sizes = tuple(int(p) for p in parts)
+    _require(all(n in CAPACITY_BY_SIZE for n in sizes), f"train_sizes: every size needs a defined vehicle capacity "
+             f"(one of {sorted(CAPACITY_BY_SIZE)}), got {list(sizes)}")
+    _require(len(set(sizes)) == len(sizes), f"train_sizes: a size given twice in {list(sizes)}")
+    return sizes
 
 
 def train_starts(config: ml_collections.ConfigDict, num_customers: int) -> int:
@@ -133,6 +162,9 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
     _require(0 <= config.get("final_lr_fraction", 0.0) <= 1,
              f"final_lr_fraction must be in [0, 1], got {config.get('final_lr_fraction')}")
     curriculum = parse_size_curriculum(config.get("size_curriculum", ""), n)
+    sizes = parse_train_sizes(config.get("train_sizes", ""))
+    _require(not (sizes and curriculum), "give train_sizes (a size cycle) or size_curriculum (sizes in stages), "
+             "not both")
     _require(not config.finetune_from or os.path.exists(config.finetune_from)
              or config.finetune_from in shipped.names(),
              f"finetune_from: no checkpoint at {config.finetune_from}, nor a shipped model of that name "
@@ -167,7 +199,8 @@ def check_config(config: ml_collections.ConfigDict) -> RunSettings:
         final_fraction=float(config.get("final_lr_fraction", 0.0)))
     return RunSettings(policy=policy, variants=variants, steps_per_epoch=steps, last_batch=last, optimizer=optimizer,
                        curriculum=curriculum, problem_size=n,
-                       normalises_rewards=config.get("reward_normalization_alpha", 0.0) > 0, backhaul_rules=rules)
+                       normalises_rewards=config.get("reward_normalization_alpha", 0.0) > 0, backhaul_rules=rules,
+                       sizes=sizes)
 
 
 def execution_settings(config: ml_collections.ConfigDict) -> tuple[str, dict]:
@@ -192,7 +225,9 @@ def prepare_process(config: ml_collections.ConfigDict) -> int:
     this process's CPU device count."""
     def batch_shares():
         processes = config.get("num_processes") or 1
-        return tuple(size // processes for size in (config.batch_size, check_config(config).last_batch))
+        run = check_config(config)
+        return tuple(run.instances_at(size, n) // processes for size in (config.batch_size, run.last_batch)
+                     for n in run.sizes or (config.problem_size,))
 
     count = execution.prepare_process(*execution_settings(config), batch_shares)
     distributed.initialize(distributed.launch_from_config(config))
@@ -211,7 +246,8 @@ def step_functions(config: ml_collections.ConfigDict, run: RunSettings, mesh,
                             aux_loss_coef=config.aux_loss_coef / moe_lib.DEFAULT_LOSS_COEF,
                             leader_advantage=float(config.get("leader_advantage", 1.0)),
                             cost_scale_alpha=float(config.get("reward_normalization_alpha", 0.0)),
-                            variant_flags=flags if run.normalises_rewards else ())
+                            variant_flags=flags if run.normalises_rewards else (),
+                            size_slot=run.sizes.index(n) if n in run.sizes else 0, size_slots=max(1, len(run.sizes)))
     return StepFunctions.cached(run.policy, execution_plan(config), run.optimizer, settings,
                                 num_customers=n,
                                 variants=run.variants, mixed=config.mixed_batches, mesh=mesh,
@@ -313,7 +349,8 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, template: TrainState, cfg: P
 RUN_FIELDS = ("seed", "problem_size", "pomo_size", "train_problems", "mixed_batches", "train_episodes",
               "batch_size", "learning_rate", "weight_decay", "lr_decay_factor", "aux_loss_coef", "finetune_from",
               "grad_clip_norm", "lr_schedule", "warmup_fraction", "final_lr_fraction", "train_pomo_size",
-              "leader_advantage", "reward_normalization_alpha", "size_curriculum", "train_backhaul_rules")
+              "leader_advantage", "reward_normalization_alpha", "size_curriculum", "train_backhaul_rules",
+              "train_sizes")
 
 
 class RunMismatchError(ValueError):
@@ -350,8 +387,9 @@ def check_same_run(stored: dict, config: ml_collections.ConfigDict, workdir: str
 
 
 def _check_same_model(stored: dict, requested: PolicyConfig, workdir: str) -> None:
-    want = requested.to_dict()
-    diff = [f"{k}: stored {stored.get(k)!r}, requested {want[k]!r}" for k in want if stored.get(k) != want[k]]
+    want, default = requested.to_dict(), PolicyConfig().to_dict()    # fields newer than the run: their defaults
+    diff = [f"{k}: stored {stored.get(k, default[k])!r}, requested {want[k]!r}" for k in want
+            if stored.get(k, default[k]) != want[k]]
     if diff:
         raise RunMismatchError(f"{workdir} holds a training run of another model ({'; '.join(diff)}); use "
                                "another workdir, or the stored model settings to resume")
@@ -448,7 +486,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, *, mesh_devices=None) 
         else:
             params = template.params
             if config.finetune_from:
-                _, params = checkpoints.load_policy(config.finetune_from, cfg)
+                params = checkpoints.starting_weights(config.finetune_from, cfg)
                 _say(f"fine-tuning from {config.finetune_from} with a fresh optimiser")
             state = fns.init_state(params)
             start_epoch = 0
@@ -498,6 +536,9 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
     else:
         _say(f"learning rate {opt.learning_rate:g}" + ("" if opt.decay_step is None else
              f", x{opt.decay_factor:g} from epoch {opt.decay_step // run.steps_per_epoch + 1}"))
+    if run.sizes:
+        _say("sizes: each step the next of " + ", ".join(f"n = {n} ({run.instances_at(config.batch_size, n)} "
+                                                          "instances)" for n in run.sizes))
     if run.curriculum:
         _say("size curriculum: " + ", ".join(f"n = {size} to epoch {last}" for size, last in run.curriculum)
              + f", then n = {run.problem_size}")
@@ -536,11 +577,15 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
         count = 0
         bar = tqdm(range(run.steps_per_epoch), desc=f"epoch {epoch}/{config.epochs}", leave=False,
                    disable=not (config.progress_bar and is_main))
-        epoch_fns = fns_of(run.size_at(epoch))
+        step_fns = None
         for i in bar:
-            size = run.batch_size_of(i, config.batch_size)
             step = (epoch - 1) * run.steps_per_epoch + i
-            state, m = epoch_fns.step(state, training.step_key(run_key, step), size)
+            num_customers = run.size_of_step(epoch, step)
+            previous, step_fns = step_fns, fns_of(num_customers)
+            if previous is not None and previous is not step_fns:
+                previous.release_buffers()        # one size's decoder record kept at a time
+            size = run.instances_at(run.batch_size_of(i, config.batch_size), num_customers)
+            state, m = step_fns.step(state, training.step_key(run_key, step), size)
             m = jax.device_get(m)
             if not m["finite"]:
                 last = mngr.latest_step()
@@ -555,17 +600,20 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
             count += size
             bar.set_postfix(score=f"{sums['score'] / count:.4f}", loss=f"{sums['loss'] / count:.4f}")
         bar.close()
-        if epoch_fns is not fns and run.size_at(epoch + 1) != run.size_at(epoch):
-            epoch_fns.release_buffers()
+        if step_fns is not fns:
+            step_fns.release_buffers()    # validation runs beside the main size's buffers only
         train_s, train_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         step = epoch * run.steps_per_epoch
         record = {"epoch": epoch, "step": step, "lr": run.optimizer.learning_rate_at(step - 1),
                   "train": {k: v / count for k, v in sums.items()},
                   "time": {"train_seconds": train_s, "instances_per_second": count / train_s,
                            "train_cpu_seconds": train_cpu_s}}
+        if cfg.learned_distance_bias:
+            record["distance_bias_alpha"] = distance_bias_of(cfg, jax.device_get(state.params))
         _say(f"epoch {epoch}/{config.epochs}: score {record['train']['score']:.4f}  loss "
              f"{record['train']['loss']:.4f}  aux {record['train']['aux_loss']:.5f}  "
-             f"{count / train_s:.1f} inst/s  ({train_s:.1f}s)")
+             f"{count / train_s:.1f} inst/s  ({train_s:.1f}s)"
+             + (f"  distance bias {record['distance_bias_alpha']:.4f}" if cfg.learned_distance_bias else ""))
         if validator is not None and (epoch == 1 or epoch % config.validate_every_epochs == 0
                                       or epoch == config.epochs):
             validate(record)

@@ -6,22 +6,25 @@
 #
 #   scripts/train_on.sh RUNS_DIR [MODEL] [--config.FIELD=VALUE ...]
 #
-# MODEL: mvmoe_4e_n50 (default; configs/mvmoe.py) or pomo_mtl_n50 (configs/pomo_mtl.py); CONFIG=FILE names
-# another recipe (configs/mvmoe_paper.py: the paper's). The workdir is RUNS_DIR/MODEL. Every epoch of 20,000
+# MODEL: mvmoe_4e_n50 (default; configs/mvmoe.py), pomo_mtl_n50 (configs/pomo_mtl.py) or mvmoe_4e_sizes (the
+# n = 50 weights learning their distance bias over n = 50, 100 and 200: configs/mvmoe_sizes.py, 8 epochs); CONFIG=FILE
+# names another recipe (configs/mvmoe_paper.py: the paper's). The workdir is RUNS_DIR/MODEL. Every epoch of 20,000
 # instances is validated on the paper's n = 50 sets of all 16 variants (DATA_DIR, default
 # ../shared/data/mvmoe-paper; greedy, no augmentation) and checkpointed (the last two kept). EPOCHS (default
-# 100) places the end of the learning-rate schedule. CPU_CORE=K pins the run to core K with one XLA thread.
+# 100; 8 for mvmoe_4e_sizes) places the end of the learning-rate schedule. CPU_CORE=K pins the run to core K with one XLA thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: scripts/train_on.sh RUNS_DIR [mvmoe_4e_n50|pomo_mtl_n50] [--config.FIELD=VALUE ...]"
+usage="usage: scripts/train_on.sh RUNS_DIR [mvmoe_4e_n50|pomo_mtl_n50|mvmoe_4e_sizes] [--config.FIELD=VALUE ...]"
 runs=${1:?$usage}
 shift
 model=mvmoe_4e_n50
 if [ $# -gt 0 ] && [[ $1 != --* ]]; then model=$1; shift; fi
+source=$model epochs=${EPOCHS:-100}
 case $model in
   mvmoe_4e_n50) config=${CONFIG:-configs/mvmoe.py} ;;
   pomo_mtl_n50) config=${CONFIG:-configs/pomo_mtl.py} ;;
-  *) echo "MODEL must be mvmoe_4e_n50 or pomo_mtl_n50, got '$model'; $usage" >&2; exit 2 ;;
+  mvmoe_4e_sizes) config=${CONFIG:-configs/mvmoe_sizes.py} source=mvmoe_4e_n50 epochs=${EPOCHS:-8} ;;
+  *) echo "MODEL must be mvmoe_4e_n50, pomo_mtl_n50 or mvmoe_4e_sizes, got '$model'; $usage" >&2; exit 2 ;;
 esac
 pin=()
 if [ -n "${CPU_CORE:-}" ]; then
@@ -30,7 +33,7 @@ if [ -n "${CPU_CORE:-}" ]; then
   set -- --config.execution.cpu_devices=1 "$@"
 fi
 exec "${pin[@]}" nice -n "${NICE:-19}" python train.py --config="$config" --config.workdir="$runs/$model" \
-  --config.finetune_from="$model" --config.problem_size=50 --config.pomo_size=50 --config.train_episodes=20000 \
-  --config.epochs="${EPOCHS:-100}" --config.validate_every_epochs=1 --config.validation_problems=ALL \
+  --config.finetune_from="$source" --config.problem_size=50 --config.pomo_size=50 --config.train_episodes=20000 \
+  --config.epochs="$epochs" --config.validate_every_epochs=1 --config.validation_problems=ALL \
   --config.data_dir="${DATA_DIR:-../shared/data/mvmoe-paper}" --config.keep_checkpoints=2 \
   --config.progress_bar=False "$@"

@@ -6,7 +6,8 @@ the paper's, bit for bit).
   ``C tanh`` clipping, before the mask and the softmax (n customers, d the Euclidean distance in the unit
   square). The choice's distribution becomes the policy's times the prior ``exp(-alpha log2(n) d)``, which
   favours near nodes more as n grows (the adaptation term of ICAM, Zhou et al. 2024; DAR, Wang et al. 2024,
-  applies such a term to trained weights). The multi-head attention before it is left as trained.
+  applies such a term to trained weights). The multi-head attention before it is left as trained. With
+  ``learned_distance_bias`` alpha is a parameter of the policy, trained with the rest (``configs/mvmoe_sizes.py``).
 - ``candidates`` (k): the choice restricted to the k customers nearest the current node among the feasible
   ones (by distance, ties by index); the depot stays choosable wherever it is feasible. The set is empty only
   when no customer is feasible, so feasibility never depends on k, and for k >= n it is every feasible node:
@@ -37,8 +38,9 @@ def current_distances(locs: jax.Array, current: jax.Array) -> jax.Array:
     return jnp.sqrt(dx * dx + dy * dy)
 
 
-def distance_bias(distances: jax.Array, alpha: float) -> jax.Array:
-    """(B, P, N) the logit bias ``-alpha * log2(n) * d`` of distances (B, P, N) over N = n + 1 nodes."""
+def distance_bias(distances: jax.Array, alpha: float | jax.Array) -> jax.Array:
+    """(B, P, N) the logit bias ``-alpha * log2(n) * d`` of distances (B, P, N) over N = n + 1 nodes; alpha a
+    number or a float32 scalar (a learned parameter: differentiable in it)."""
     num_customers = distances.shape[-1] - 1
     return -alpha * jnp.log2(jnp.float32(max(num_customers, 1))) * distances
 

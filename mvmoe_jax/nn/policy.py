@@ -57,6 +57,8 @@ class PolicyConfig:
     # Distance-aware decoding (nn/locality.py), for instances larger than the training ones; off by default.
     distance_bias: float = 0.0                # alpha: -alpha * log2(n) * d(current, j) added to the logits
     candidates: int = 0                       # k: the choice among the k nearest feasible customers (0: all)
+    # The bias's alpha a trained parameter (``distance_bias_alpha``) starting at ``distance_bias``, not a constant.
+    learned_distance_bias: bool = False
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -73,12 +75,19 @@ class PolicyConfig:
             raise ValueError(f"distance_bias must be a number >= 0, got {self.distance_bias!r}")
         if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 0:
             raise ValueError(f"candidates must be a whole number of nodes >= 0 (0: all), got {self.candidates!r}")
+        if not isinstance(self.learned_distance_bias, bool):
+            raise ValueError(f"learned_distance_bias must be True or False, got {self.learned_distance_bias!r}")
+
+    @property
+    def biases_distance(self) -> bool:
+        """Whether decoding adds the distance bias: a constant alpha > 0, or a learned one."""
+        return bool(self.distance_bias) or self.learned_distance_bias
 
     @property
     def uses_locations(self) -> bool:
-        """Whether decoding reads the node coordinates (``distance_bias`` or ``candidates`` on): the decoder
+        """Whether decoding reads the node coordinates (the distance bias or ``candidates`` on): the decoder
         cache then holds them (``Policy.precompute(..., locs=...)``)."""
-        return bool(self.distance_bias) or bool(self.candidates)
+        return self.biases_distance or bool(self.candidates)
 
     @property
     def uses_moe(self) -> bool:
@@ -118,6 +127,21 @@ class PolicyConfig:
         if "expert_loc" in d:
             d["expert_loc"] = tuple(d["expert_loc"])
         return cls(**d)
+
+
+def distance_bias_of(cfg: PolicyConfig, params) -> float:
+    """The alpha that a policy of ``cfg`` with ``params`` ({"params": ...}) decodes with: its learned parameter
+    (``learned_distance_bias``) or the config's constant."""
+    if cfg.learned_distance_bias:
+        return float(params["params"]["distance_bias_alpha"])
+    return float(cfg.distance_bias)
+
+
+def refuse_fixed_bias_on_learned(cfg: PolicyConfig, distance_bias: float | None) -> None:
+    """A ValueError where a constant distance bias is asked of a model that learned its own."""
+    if cfg.learned_distance_bias and distance_bias is not None:
+        raise ValueError(f"this model learned its distance bias; a given distance_bias ({distance_bias:g}) applies "
+                         "only to models without one")
 
 
 def fuses_readout(cfg: PolicyConfig, plan: ExecutionPlan) -> bool:
@@ -171,7 +195,7 @@ class DecoderCache:
     node_score_max: (B, H, N) the largest entry of each node_scores row; feature_score_range (B, H, F, 2) the
       smallest and largest of each feature_scores row. From them a step bounds its largest score from above
       without a pass over its scores (``engines.query_tables.score_bound``). None without node_scores.
-    locs: (B, N, 2) the node coordinates, for the distance bias (``PolicyConfig.distance_bias``); None otherwise.
+    locs: (B, N, 2) the node coordinates, for the distance bias (``PolicyConfig.biases_distance``); None otherwise.
     neighbour_ranks: (B, N, N) each node's neighbours ranked by distance (``nn.locality.neighbour_ranks``),
       for the candidate sets (``PolicyConfig.candidates``); None otherwise.
     attention: how a step attends, one of ``engines.decoder_attention.PATHS``, set where the cache is built:
@@ -322,6 +346,9 @@ class Policy(nn.Module):
             self.multi_head_combine = _moe(cfg, self.plan, cfg.embedding_dim, "linear", "multi_head_combine")
         else:
             self.multi_head_combine = Dense(cfg.embedding_dim, dtype=cfg.dtype)
+        if cfg.learned_distance_bias:
+            self.distance_bias_alpha = self.param("distance_bias_alpha",
+                                                  lambda _: jnp.float32(cfg.distance_bias))
 
     def __call__(self, inst: Instance, train: bool = False):
         """Initialisation entry point: encode, then one decoding step from the depot."""
@@ -379,7 +406,7 @@ class Policy(nn.Module):
                              "precompute(..., locs=instances.locs)")
         cache = DecoderCache(embeddings=embeddings, keys=split_heads(self.Wk(embeddings), h),
                              values=split_heads(self.Wv(embeddings), h),
-                             locs=locs if cfg.distance_bias else None,
+                             locs=locs if cfg.biases_distance else None,
                              neighbour_ranks=locality.neighbour_ranks(locs) if cfg.candidates else None)
         if self.is_initializing():
             return cache        # initialisation goes through the plain path, which creates the params
@@ -443,8 +470,8 @@ class Policy(nn.Module):
         gate_probs: MVMoE-L's dense-or-sparse probabilities (2,), None at the first decoding step
         (they are computed there, from the batch mean, and reused for the whole rollout).
         Returns log-probabilities (B, P, N) (-inf where masked), the MoE auxiliary loss, gate_probs. The
-        config's ``distance_bias`` and ``candidates`` (``nn.locality``) act on the clipped logits and on the
-        mask of the choice (the attention reads ``mask`` as given).
+        config's distance bias (constant or learned) and ``candidates`` (``nn.locality``) act on the clipped
+        logits and on the mask of the choice (the attention reads ``mask`` as given).
         ``normalise=False`` returns the clipped logits instead of their log-softmax (same argmax, same
         -inf): all that greedy decoding needs when the log-likelihood is not wanted.
 
@@ -467,8 +494,9 @@ class Policy(nn.Module):
         else:
             score, aux, gate_probs = self._scores(cache, attn, train, gate_probs, gating_noise)
         score = cfg.logit_clipping * jnp.tanh(score / jnp.sqrt(jnp.float32(cfg.embedding_dim)))
-        if cfg.distance_bias:
-            score = score + locality.distance_bias(locality.current_distances(cache.locs, current), cfg.distance_bias)
+        if cfg.biases_distance:
+            alpha = self.distance_bias_alpha if cfg.learned_distance_bias else cfg.distance_bias
+            score = score + locality.distance_bias(locality.current_distances(cache.locs, current), alpha)
         if cfg.candidates:
             mask = locality.candidate_mask(mask, locality.current_ranks(cache.neighbour_ranks, current),
                                            cfg.candidates)

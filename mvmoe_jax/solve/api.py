@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from mvmoe_jax import checker, precision
 from mvmoe_jax.execution import ExecutionPlan
 from mvmoe_jax.instances import Instance, stack, take
-from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.nn.policy import PolicyConfig, distance_bias_of
 from mvmoe_jax.solve import eas, outputs, sgbs
 from mvmoe_jax.solve.inputs import Problem, Refused, read_inputs
 from mvmoe_jax.solve.models import (Models, decoding_for, size_default_improve, size_default_max_starts,
@@ -136,7 +136,8 @@ class SolveReport:
     value left out, a search that ran no round: ``outputs``); summary_file and
     adapted_file: what was written (``outputs.write_adapted``); decoding: per size (its key the number of
     customers as text), the model, the distance-aware decoding options it decoded with and the POMO starts it
-    decoded at most ({"model": name, "distance_bias": alpha, "candidates": k, "max_starts": starts or None for all,
+    decoded at most ({"model": name, "distance_bias": alpha, "learned_distance_bias": whether the model learned
+    alpha, "candidates": k, "max_starts": starts or None for all,
     "improve": the improvement after the search, "size_default": the options the size defaults chose};
     ``nn/locality.py``, ``models.decoding_for``, ``models.size_default_max_starts``,
     ``models.size_default_improve``). improve: the one given, else ``ls`` when a size default chose it for any."""
@@ -345,7 +346,8 @@ def _model_lines(decoding: dict[str, dict]) -> list[str]:
     the size default chose)."""
     lines = []
     for size, d in decoding.items():
-        options = [f"{k} {d[k]:g}" + (f" ({size_default_note(k)})" if k in d["size_default"] else "")
+        options = [f"{k} {d[k]:g}" + (f" ({size_default_note(k)})" if k in d["size_default"] else
+                                      " (learned)" if k == "distance_bias" and d.get("learned_distance_bias") else "")
                    for k in ("distance_bias", "candidates", "max_starts") if d.get(k)]
         line = f"n = {size}: model {d['model']}" + (", decoding with " + ", ".join(options) if options else "")
         if d.get("improve") == "ls":
@@ -430,7 +432,8 @@ def solve(inputs, *, checkpoint: str | None = None, search: str = "greedy", time
         improvements[n] = improve if improve is not None else size_default_improve(trained, n)
         if improve is None and improvements[n] != "none":
             by_size = by_size + ["improve"]
-        decoding[str(n)] = {"model": name, "distance_bias": configs[n].distance_bias,
+        decoding[str(n)] = {"model": name, "distance_bias": distance_bias_of(configs[n], models.load(name)[1]),
+                            "learned_distance_bias": configs[n].learned_distance_bias,
                             "candidates": configs[n].candidates, "max_starts": sized[n].max_starts,
                             "improve": improvements[n], "size_default": by_size}
 

@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from mvmoe_jax import checkpoints, shipped
-from mvmoe_jax.nn.policy import PolicyConfig
+from mvmoe_jax.nn.policy import PolicyConfig, refuse_fixed_bias_on_learned
 
 # Between shipped models equally close in size: the paper's MVMoE first.
 _PREFERENCE = ("mvmoe", "mvmoe_light", "pomo_mtl", "pomo")
@@ -101,8 +101,10 @@ def decoding_for(cfg: PolicyConfig, trained: int | None, num_customers: int, giv
                  ) -> tuple[PolicyConfig, list[str]]:
     """(the config to decode ``num_customers`` customers with, the option names set by the size default). A model
     with no decoding options of its own gets ``size_default_decoding``; the options ``given`` (the user's,
-    ``{"distance_bias": ..., "candidates": ...}``) override both."""
-    options = {} if (cfg.distance_bias or cfg.candidates) else size_default_decoding(trained, num_customers)
+    ``{"distance_bias": ..., "candidates": ...}``) override both. A model that learned its distance bias decodes
+    with it: it has no size default, and a given distance_bias is refused (ValueError)."""
+    refuse_fixed_bias_on_learned(cfg, given.get("distance_bias"))
+    options = {} if cfg.uses_locations else size_default_decoding(trained, num_customers)
     by_size = [k for k in options if k not in given]
     return dataclasses.replace(cfg, **{**options, **given}), by_size
 
