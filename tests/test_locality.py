@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mvmoe_jax import checker, cli, execution, instances, rollout, shipped
-from mvmoe_jax.nn import locality
+from mvmoe_jax import checker, checkpoints, cli, execution, instances, rollout, shipped, training
+from mvmoe_jax.nn import locality, policy as policy_lib
 from mvmoe_jax.nn.policy import Policy, PolicyConfig
 from mvmoe_jax.solve import api, models
 from mvmoe_jax.solve.__main__ import main
@@ -119,6 +119,42 @@ def test_the_bias_is_added_to_the_clipped_logits_of_the_choice(params):
     want = plain - alpha * math.log2(N) * dist
     np.testing.assert_allclose(np.where(mask, biased, 0.0), np.where(mask, want, 0.0), rtol=1e-5, atol=1e-5)
     assert np.isneginf(biased[~mask]).all()
+
+
+def with_alpha(params, alpha: float) -> dict:
+    """``params`` with a learned distance bias of ``alpha``."""
+    return {"params": {**params["params"], "distance_bias_alpha": jnp.float32(alpha)}}
+
+
+def test_a_learned_bias_starts_at_the_configured_alpha_and_decodes_as_that_constant(params):
+    learned = with_options(distance_bias=0.7, learned_distance_bias=True)
+    assert learned.uses_locations and with_options(learned_distance_bias=True).uses_locations
+    assert float(training.init_params(learned, jax.random.key(0))["params"]["distance_bias_alpha"]) == pytest.approx(0.7)
+    batch = mixed_batch(N)
+    current = jnp.asarray(np.random.default_rng(3).integers(0, N + 1, (4, 6)), jnp.int32)
+    for alpha in (0.7, 0.3, 0.0):
+        got, _, cache = _step_scores(learned, with_alpha(params, alpha), batch, current)
+        want, _, _ = _step_scores(with_options(distance_bias=alpha), params, batch, current)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert cache.locs is not None
+    assert policy_lib.distance_bias_of(learned, with_alpha(params, 0.3)) == pytest.approx(0.3)
+    assert policy_lib.distance_bias_of(with_options(distance_bias=0.4), params) == 0.4
+    with pytest.raises(ValueError, match="learned_distance_bias must be True or False"):
+        with_options(learned_distance_bias=1)
+
+
+def test_a_model_learning_its_bias_starts_from_weights_without_one(tmp_path, shipped_small, params):
+    learned = with_options(distance_bias=0.6, learned_distance_bias=True)
+    start = checkpoints.starting_weights("small_n20", learned)
+    assert float(start["params"]["distance_bias_alpha"]) == pytest.approx(0.6)
+    rest = {k: v for k, v in start["params"].items() if k != "distance_bias_alpha"}
+    jax.tree.map(np.testing.assert_array_equal, rest, params["params"])
+    shipped.export(shipped_small / "learned_n20", with_alpha(params, 0.25), learned, {"config": {"problem_size": 20}})
+    kept = checkpoints.starting_weights("learned_n20", learned)               # a source with the bias keeps its own
+    assert float(kept["params"]["distance_bias_alpha"]) == pytest.approx(0.25)
+    assert checkpoints.starting_weights("small_n20", CFG)["params"].keys() == params["params"].keys()
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="missing parameters"):
+        checkpoints.starting_weights("small_n20", dataclasses.replace(learned, num_layers=2))
 
 
 def _greedy(cfg, params, batch, plan=REFERENCE, pomo_size=N):
@@ -235,13 +271,14 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
     assert main([str(path), f"--output={out}", "--no_progress", "--distance_bias=0.5", "--candidates=4"]) == 0
     assert "n = 20: model small_n20, decoding with distance_bias 0.5, candidates 4\n" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "candidates": 4,
+    assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "learned_distance_bias": False, "candidates": 4,
                                           "max_starts": None, "improve": "none", "size_default": []}}
     assert summary["instances"][0]["feasible"]
     assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
     assert "n = 20: model small_n20\n" in capsys.readouterr().out
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "candidates": 0, "max_starts": None,
+    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "learned_distance_bias": False, "candidates": 0,
+                                        "max_starts": None,
                                         "improve": "none", "size_default": []}}
     assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -261,7 +298,7 @@ def test_instances_twice_the_training_size_get_the_distance_bias_and_the_local_s
     assert "local search: " in out
     biased = json.loads((tmp_path / "biased" / "summary.json").read_text())
     assert biased["decoding"] == {"20": {"model": "small_n10", "distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS,
-                                         "candidates": 0, "max_starts": None, "improve": "ls",
+                                         "learned_distance_bias": False, "candidates": 0, "max_starts": None, "improve": "ls",
                                          "size_default": ["distance_bias", "improve"]}}
     solution = biased["instances"][0]
     assert solution["feasible"] and solution["improve"] == "ls" and biased["improve"] == "ls"
@@ -269,7 +306,8 @@ def test_instances_twice_the_training_size_get_the_distance_bias_and_the_local_s
     assert main([str(path), "--checkpoint=small_n10", "--distance_bias=0", "--candidates=5", "--improve=none",
                  f"--output={tmp_path / 'told'}", "--no_progress"]) == 0
     told = json.loads((tmp_path / "told" / "summary.json").read_text())
-    assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "candidates": 5, "max_starts": None,
+    assert told["decoding"]["20"] == {"model": "small_n10", "distance_bias": 0.0, "learned_distance_bias": False,
+                                      "candidates": 5, "max_starts": None,
                                       "improve": "none", "size_default": []}
     assert told["instances"][0]["improve"] == "none" and told["improve"] == "none"
 
@@ -308,6 +346,37 @@ def test_the_size_default_follows_the_training_size_and_yields_to_the_model_and_
     assert models.decoding_for(own, 50, 200, {}) == (own, [])          # a model with options of its own keeps them
     cfg, by_size = models.decoding_for(CFG, 50, 200, {"distance_bias": 0.0})
     assert (cfg.distance_bias, by_size) == (0.0, [])
+
+
+def test_a_model_with_a_learned_bias_decodes_with_it_says_so_and_refuses_a_given_one(tmp_path, shipped_small,
+                                                                                     params, capsys):
+    """No size default replaces a learned bias (small_l10 was trained at n = 10: n = 20 is twice that); the solve
+    command and evaluate report its value, and a --distance_bias given for it is refused in one line."""
+    learned = with_options(distance_bias=0.9, learned_distance_bias=True)
+    shipped.export(shipped_small / "small_l10", with_alpha(params, 0.35), learned, {"config": {"problem_size": 10}})
+    path = _vrp_file(tmp_path / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(5), 1, N, "CVRP")))
+    assert main([str(path), "--checkpoint=small_l10", "--improve=none", f"--output={tmp_path / 'out'}",
+                 "--no_progress"]) == 0
+    assert "n = 20: model small_l10, decoding with distance_bias 0.35 (learned)\n" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["decoding"]["20"]["distance_bias"] == pytest.approx(0.35)
+    assert summary["decoding"]["20"]["learned_distance_bias"] and summary["decoding"]["20"]["size_default"] == []
+    assert summary["instances"][0]["feasible"]
+    assert main([str(path), "--checkpoint=small_l10", "--distance_bias=1", "--no_progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: this model learned its distance bias; a given distance_bias (1) applies only to models without one"]
+    cfg, _ = models.decoding_for(learned, 10, 1000, {"candidates": 7})
+    assert cfg == dataclasses.replace(learned, candidates=7)
+    folder = tmp_path / "files"
+    folder.mkdir()
+    _vrp_file(folder / "small.vrp", jax.tree.map(lambda x: x[0], instances.generate(jax.random.key(6), 1, N, "CVRP")))
+    flags = types.SimpleNamespace(checkpoint="small_l10", vrplib_dir=str(folder), bks=None, aug=1, batch_size=None,
+                                  num_instances=None, pomo_size=None, seed=0, chunk_size=None, execution="cpu",
+                                  distance_bias=None, candidates=None)
+    got = cli.run_evaluation(None, flags)["small"]
+    assert got["distance_bias"] == pytest.approx(0.35) and got["learned_distance_bias"]
+    with pytest.raises(ValueError, match="learned its distance bias"):
+        cli.run_evaluation(None, types.SimpleNamespace(**dict(vars(flags), distance_bias=0.5)))
 
 
 def test_evaluation_takes_the_options_and_reports_them(tmp_path, shipped_small):

@@ -111,6 +111,25 @@ def test_the_size_curriculum_and_the_training_starts_by_epoch():
             training_loop.check_config(tiny_config("unused", **{field: value}))
 
 
+def test_a_size_cycle_gives_each_step_its_size_and_a_batch_of_about_the_same_work():
+    run = training_loop.check_config(tiny_config("unused", train_sizes="50, 100,200", problem_size=50, pomo_size=50,
+                                                 reward_normalization_alpha=0.25))
+    assert run.sizes == (50, 100, 200)
+    assert [run.size_of_step(1, s) for s in range(5)] == [50, 100, 200, 50, 100]
+    assert [run.instances_at(256, n) for n in (50, 100, 200)] == [256, 64, 16]
+    assert run.instances_at(8, 200) == 1                      # never an empty batch
+    assert run.num_cost_scales() == 3 * 3                     # the tiny config's 3 variants, per size
+    plain = training_loop.check_config(tiny_config("unused"))
+    assert plain.sizes == () and plain.instances_at(256, 100) == 256 and plain.size_of_step(1, 7) == 20
+    for bad, match in [("50,x", "comma-separated sizes"), ("50,30", "defined vehicle capacity"),
+                       ("50,50", "given twice")]:
+        with pytest.raises(ValueError, match=match):
+            training_loop.check_config(tiny_config("unused", train_sizes=bad))
+    with pytest.raises(ValueError, match="not both"):
+        training_loop.check_config(tiny_config("unused", train_sizes="20,50", size_curriculum="20:2",
+                                               problem_size=50, pomo_size=50))
+
+
 def test_a_step_samples_the_training_starts_and_updates_the_cost_scales(tmp_path):
     config = tiny_config(tmp_path, train_pomo_size=8, reward_normalization_alpha=0.25, mixed_batches=True)
     fns, run = loop_functions(config)

@@ -3,6 +3,7 @@ resume, the sharded step and non-finite losses (train.py's command line: test_tr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -94,18 +95,23 @@ def test_sampler_is_the_rollout_and_replay_reproduces_it(model):
     assert (float(traj.aux_loss) > 0) == cfg.uses_moe
 
 
-@pytest.mark.parametrize("model,recorded", [
-    pytest.param("pomo_mtl", False, marks=pytest.mark.slow), pytest.param("pomo_mtl", True, marks=pytest.mark.slow),
-    pytest.param("mvmoe", False, marks=pytest.mark.slow), ("mvmoe", True), ("mvmoe_light", False),
-    pytest.param("mvmoe_light", True, marks=pytest.mark.slow)], ids=lambda v: {False: "recomputed", True: "decoder_record"}.get(v, v))
-def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recorded):
+@pytest.mark.parametrize("model,recorded,bias", [
+    pytest.param("pomo_mtl", False, "no_bias", marks=pytest.mark.slow),
+    pytest.param("pomo_mtl", True, "no_bias", marks=pytest.mark.slow),
+    pytest.param("mvmoe", False, "no_bias", marks=pytest.mark.slow), ("mvmoe", True, "learned_bias"),
+    ("mvmoe_light", False, "no_bias"), pytest.param("mvmoe_light", True, "no_bias", marks=pytest.mark.slow)],
+    ids=lambda v: {False: "recomputed", True: "decoder_record"}.get(v, v))
+def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recorded, bias):
     """The stepwise backward (one step's vjp at a time, MVMoE-L's gate cotangents summed and passed back
     through step 0) gives the gradient that jax.grad takes through the whole replayed loss, for every
     parameter, and the same log-likelihood and aux loss; its loss weights are the loss's own
     derivatives. Also when it takes each step's attention and readout products from the sampling pass's
     decoder record instead of computing them (``reuses_sampling_pass``): a record off by a step, or a
-    backward pass that dropped a product's cotangent, would fail here."""
+    backward pass that dropped a product's cotangent, would fail here. With a learned distance bias its
+    parameter gets its gradient too."""
     cfg = tiny_policy(model)
+    if bias == "learned_bias":
+        cfg = dataclasses.replace(cfg, distance_bias=0.5, learned_distance_bias=True)
     policy = Policy(cfg, CPU)
     params = training.init_params(cfg, jax.random.key(1))
     inst, rng = mixed_batch(), jax.random.key(3)
@@ -133,6 +139,8 @@ def test_stepwise_gradients_equal_the_gradient_of_the_replayed_loss(model, recor
     if cfg.hierarchical:   # the gate's gradient arrives only through the probabilities of step 0
         gate = expected["params"]["multi_head_combine"]["dense_or_moe"]["kernel"]
         assert float(jnp.max(jnp.abs(gate))) > 1e-3 * scale
+    if cfg.learned_distance_bias:
+        assert abs(float(expected["params"]["distance_bias_alpha"])) > 1e-3 * scale
 
 
 def test_decoder_record_size_and_when_it_is_kept():
@@ -374,6 +382,36 @@ def test_resume_continues_exactly(tmp_path):
         training_loop.train_and_evaluate(other)
     with pytest.raises(ValueError, match="leader_advantage"):
         training_loop.train_and_evaluate(tiny_config(tmp_path / "resumed", **dict(RECIPE, leader_advantage=2.0)))
+
+
+def test_a_size_cycle_with_a_learned_bias_resumes_exactly_and_moves_the_bias(tmp_path):
+    """Steps cycle through n = 20 and 50 (8 instances, then 8 x (20/50)^2 -> 1; one step an epoch), the distance
+    bias a parameter starting at 0.5: a run stopped after epoch 1 and continued ends where an uninterrupted one
+    does, the bias has moved, and the reward normalisation keeps one block of scales per size."""
+    def config(workdir, **overrides):
+        c = tiny_config(workdir, train_sizes="20,50", reward_normalization_alpha=0.25, mixed_batches=True, epochs=2,
+                        train_episodes=8, validation_problems="CVRP", **overrides)
+        c.model.distance_bias, c.model.learned_distance_bias = 0.5, True
+        return c
+
+    straight = config(tmp_path / "straight")
+    training_loop.train_and_evaluate(straight)
+    resumed = config(tmp_path / "resumed", stop_after_epoch=1)
+    training_loop.train_and_evaluate(resumed)
+    resumed.stop_after_epoch = 0
+    assert training_loop.train_and_evaluate(resumed)["epoch"] == 2
+    cfg, p1 = checkpoints.load_policy(straight.workdir)
+    _, p2 = checkpoints.load_policy(resumed.workdir)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), p1, p2)
+    assert cfg.learned_distance_bias and float(p1["params"]["distance_bias_alpha"]) != 0.5
+    rows = training_validation.read_metrics(os.path.join(straight.workdir, "metrics.jsonl"))
+    assert _strip_time(rows) == _strip_time(training_validation.read_metrics(
+        os.path.join(resumed.workdir, "metrics.jsonl")))
+    assert rows[-1]["distance_bias_alpha"] == pytest.approx(float(p1["params"]["distance_bias_alpha"]))
+    with training_loop.checkpoint_manager(straight.workdir) as mngr:
+        meta = mngr.restore(2, args=ocp.args.Composite(train_meta=ocp.args.JsonRestore()))["train_meta"]
+    at_20, at_50 = np.asarray(meta["cost_scale"][:3]), np.asarray(meta["cost_scale"][3:])
+    assert len(meta["cost_scale"]) == 6 and at_20.min() > 0 and at_50.max() > at_20.max()
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
