@@ -444,6 +444,42 @@ def test_large_instances_report_plans_memory_and_checked_costs(tmp_path):
         large.main([f"--checkpoint={ckpt}", "--sizes=300", f"--output={out}"])
 
 
+def test_size_training_compares_arms_on_the_same_instances_with_their_training_cpu_time(tmp_path):
+    """benchmarks/size_training.py: arms parsed, a workdir's CPU time summed from its metrics up to the epoch named,
+    one n = 20 instance decoded by two arms of one checkpoint (plain, and with a bias) against a stored reference,
+    every route checked; an alpha for a model that learned its own, and a workdir without its epoch, refused."""
+    from conftest import require_shared
+    ckpt = require_shared("fixtures", "torch-reference", "checkpoints", "moe_n20_fixture.pt")
+    st = _benchmarks_module("size_training")
+    assert st.parse_arm("a b=/runs/x@4:1.5") == {"label": "a b", "source": "/runs/x", "epoch": 4, "alpha": 1.5}
+    assert st.parse_arm("s=mvmoe_4e_n50") == {"label": "s", "source": "mvmoe_4e_n50", "epoch": None, "alpha": None}
+    with pytest.raises(SystemExit, match="expected LABEL=SOURCE"):
+        st.parse_arm("no_label")
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    rows = [{"epoch": 0}] + [{"epoch": e, "time": {"train_cpu_seconds": 100.0 * e}} for e in (1, 2, 3)]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert st.training_cpu_seconds(str(workdir), 2) == 300.0
+    with pytest.raises(SystemExit, match="metrics of 3 of its first 5 epochs"):
+        st.training_cpu_seconds(str(workdir), 5)
+    with pytest.raises(SystemExit, match=r"name the epoch of workdir .* \(@EPOCH\)"):
+        st.load_arm(st.parse_arm(f"w={workdir}"))
+    refs = tmp_path / "refs.json"
+    refs.write_text(json.dumps({"references": {"20 CVRP 1 60": {"costs": [4.0]}}}))
+    out = tmp_path / "st.json"
+    st.main([f"--arms=plain={ckpt},biased={ckpt}:20", "--sizes=20", "--variants=CVRP", "--num_instances=1",
+             f"--references_from={refs}", f"--output={out}"])
+    report = json.loads(out.read_text())
+    assert [(a["label"], a["distance_bias"], a["learned"], a["training_cpu_hours"]) for a in report["arms"]] == [
+        ("plain", 0.0, False, 0.0), ("biased", 20.0, False, 0.0)]
+    plain, biased = report["rows"]
+    for row in (plain, biased):
+        assert row["feasible"] == 1 and row["cost_agrees"] and row["n"] == 20
+        assert row["gap"] == pytest.approx((row["mean_cost"] - 4.0) / 4.0 * 100, rel=1e-6)
+    assert plain["mean_cost"] != biased["mean_cost"]            # a near-greedy-by-distance decoder
+    assert "| biased | 0.00 | 20.000 | 20 | CVRP | 1 |" in (tmp_path / "st.md").read_text()
+
+
 def test_search_vs_time_runs_each_search_asked_at_each_limit_and_lists_sgbs_depths(monkeypatch):
     """benchmarks/search_vs_time.py's policy rows: greedy once, then each search asked (SGBS and SGBS + EAS among
     them) at each time limit, in the report's order; an SGBS row keeps its mean depths, which the table shows
