@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from conftest import script_module
-from configs import mvmoe_paper
+from configs import mvmoe_paper, mvmoe_sizes
 from mvmoe_jax import problems, training, training_loop, training_validation
 from mvmoe_jax.reinforce import reinforce_loss
 from test_training import loop_functions, mixed_batch, tiny_config
@@ -112,13 +112,13 @@ def test_the_size_curriculum_and_the_training_starts_by_epoch():
 
 
 def test_a_size_cycle_gives_each_step_its_size_and_a_batch_of_about_the_same_work():
-    run = training_loop.check_config(tiny_config("unused", train_sizes="50, 100,200", problem_size=50, pomo_size=50,
-                                                 reward_normalization_alpha=0.25))
-    assert run.sizes == (50, 100, 200)
+    run = training_loop.check_config(mvmoe_sizes.get_config())
+    assert run.sizes == (50, 100, 200) and run.policy.learned_distance_bias and run.policy.distance_bias == 1.0
     assert [run.size_of_step(1, s) for s in range(5)] == [50, 100, 200, 50, 100]
     assert [run.instances_at(256, n) for n in (50, 100, 200)] == [256, 64, 16]
     assert run.instances_at(8, 200) == 1                      # never an empty batch
-    assert run.num_cost_scales() == 3 * 3                     # the tiny config's 3 variants, per size
+    assert run.num_cost_scales() == 6 * 3                     # the 6 training variants, per size
+    assert training_loop.check_config(tiny_config("unused", train_sizes="50, 100,200")).sizes == (50, 100, 200)
     plain = training_loop.check_config(tiny_config("unused"))
     assert plain.sizes == () and plain.instances_at(256, 100) == 256 and plain.size_of_step(1, 7) == 20
     for bad, match in [("50,x", "comma-separated sizes"), ("50,30", "defined vehicle capacity"),
