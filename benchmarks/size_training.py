@@ -7,7 +7,8 @@ model that learned its own, whose learned value is reported). A workdir's CPU ti
 ``train_cpu_seconds`` up to that epoch (validation excluded); a shipped model's is 0.
 
     python benchmarks/size_training.py --sizes=200,500,1000 --variants=CVRP,VRPTW \
-        --arms="shipped + bias 1=mvmoe_4e_n50:1,n = 50 on + bias 1=RUNS/long/mvmoe_4e_n50@4:1,sizes=RUNS/sizes/mvmoe_4e_sizes@4" \
+        --arms="shipped + bias 1=mvmoe_4e_n50:1,n = 50 on + bias 1=RUNS/long/mvmoe_4e_n50@4:1,\
+sizes=RUNS/sizes/mvmoe_4e_sizes@4" \
         --references_from=benchmarks/results/large_instances_defaults_n200_2026-12-07.json,...
 
 The instances are ``benchmarks/large_instances.py``'s (the same seeds per size and variant), so its reports' PyVRP

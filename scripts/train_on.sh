@@ -11,7 +11,8 @@
 # names another recipe (configs/mvmoe_paper.py: the paper's). The workdir is RUNS_DIR/MODEL. Every epoch of 20,000
 # instances is validated on the paper's n = 50 sets of all 16 variants (DATA_DIR, default
 # ../shared/data/mvmoe-paper; greedy, no augmentation) and checkpointed (the last two kept). EPOCHS (default
-# 100; 8 for mvmoe_4e_sizes) places the end of the learning-rate schedule. CPU_CORE=K pins the run to core K with one XLA thread.
+# 100; 8 for mvmoe_4e_sizes) places the end of the learning-rate schedule. CPU_CORE=K pins the run to core K
+# with one XLA thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: scripts/train_on.sh RUNS_DIR [mvmoe_4e_n50|pomo_mtl_n50|mvmoe_4e_sizes] [--config.FIELD=VALUE ...]"

@@ -129,7 +129,8 @@ def with_alpha(params, alpha: float) -> dict:
 def test_a_learned_bias_starts_at_the_configured_alpha_and_decodes_as_that_constant(params):
     learned = with_options(distance_bias=0.7, learned_distance_bias=True)
     assert learned.uses_locations and with_options(learned_distance_bias=True).uses_locations
-    assert float(training.init_params(learned, jax.random.key(0))["params"]["distance_bias_alpha"]) == pytest.approx(0.7)
+    initial = training.init_params(learned, jax.random.key(0))["params"]["distance_bias_alpha"]
+    assert float(initial) == pytest.approx(0.7)
     batch = mixed_batch(N)
     current = jnp.asarray(np.random.default_rng(3).integers(0, N + 1, (4, 6)), jnp.int32)
     for alpha in (0.7, 0.3, 0.0):
@@ -271,15 +272,14 @@ def test_the_solve_command_takes_the_options_and_reports_them(tmp_path, shipped_
     assert main([str(path), f"--output={out}", "--no_progress", "--distance_bias=0.5", "--candidates=4"]) == 0
     assert "n = 20: model small_n20, decoding with distance_bias 0.5, candidates 4\n" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "learned_distance_bias": False, "candidates": 4,
-                                          "max_starts": None, "improve": "none", "size_default": []}}
+    assert summary["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.5, "learned_distance_bias": False,
+                                          "candidates": 4, "max_starts": None, "improve": "none", "size_default": []}}
     assert summary["instances"][0]["feasible"]
     assert main([str(path), f"--output={tmp_path / 'plain'}", "--no_progress"]) == 0
     assert "n = 20: model small_n20\n" in capsys.readouterr().out
     plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "learned_distance_bias": False, "candidates": 0,
-                                        "max_starts": None,
-                                        "improve": "none", "size_default": []}}
+    assert plain["decoding"] == {"20": {"model": "small_n20", "distance_bias": 0.0, "learned_distance_bias": False,
+                                        "candidates": 0, "max_starts": None, "improve": "none", "size_default": []}}
     assert main([str(path), "--no_progress", "--candidates=-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: candidates must be a whole number of nodes >= 0 (0: all), got -1"]
@@ -298,7 +298,8 @@ def test_instances_twice_the_training_size_get_the_distance_bias_and_the_local_s
     assert "local search: " in out
     biased = json.loads((tmp_path / "biased" / "summary.json").read_text())
     assert biased["decoding"] == {"20": {"model": "small_n10", "distance_bias": models.SIZE_DEFAULT_DISTANCE_BIAS,
-                                         "learned_distance_bias": False, "candidates": 0, "max_starts": None, "improve": "ls",
+                                         "learned_distance_bias": False, "candidates": 0, "max_starts": None,
+                                         "improve": "ls",
                                          "size_default": ["distance_bias", "improve"]}}
     solution = biased["instances"][0]
     assert solution["feasible"] and solution["improve"] == "ls" and biased["improve"] == "ls"
