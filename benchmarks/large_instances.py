@@ -73,8 +73,14 @@ def decoding_name(alpha: float, k: int) -> str:
 
 
 def with_decoding(cfg, alpha: float, k: int):
+    """``cfg`` decoding with the distance bias alpha and k candidates; a model that learned its bias keeps it (an
+    alpha other than 0 given for it stops the run)."""
     import dataclasses
 
+    if cfg.learned_distance_bias:
+        if alpha:
+            raise SystemExit(f"--decodings: this model learned its distance bias; give ALPHA 0 (got {alpha:g})")
+        return dataclasses.replace(cfg, candidates=k)
     return dataclasses.replace(cfg, distance_bias=alpha, candidates=k)
 
 
@@ -232,6 +238,7 @@ def main(argv=None) -> int:
 
     from mvmoe_jax import checkpoints, instances, problems
     from mvmoe_jax.evaluation import gap_percent
+    from mvmoe_jax.nn.policy import distance_bias_of
 
     sizes = sorted(int(s) for s in args.sizes.split(",") if s)
     variants = [v.name for v in problems.parse_variants(args.variants)]
@@ -274,9 +281,10 @@ def main(argv=None) -> int:
                 ref = np.asarray(report["references"][ref_key]["costs"], np.float64)
             for alpha, k in decodings[variant]:
                 t0 = time.perf_counter()
-                row, costs = policy_row(with_decoding(cfg, alpha, k), params, batch, max_starts=args.max_starts,
-                                        memory_budget=budget, seed=args.seed)
-                row.update(n=n, variant=variant, distance_bias=alpha, candidates=k,
+                decoding = with_decoding(cfg, alpha, k)
+                row, costs = policy_row(decoding, params, batch, max_starts=args.max_starts, memory_budget=budget,
+                                        seed=args.seed)
+                row.update(n=n, variant=variant, distance_bias=distance_bias_of(decoding, params), candidates=k,
                            wall_seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), gap=None)
                 routes = row.pop("routes")
                 ls_costs = None
@@ -288,7 +296,7 @@ def main(argv=None) -> int:
                     row["gap"] = gap_percent(costs, ref)
                     if ls_costs is not None:
                         row["ls_gap"] = gap_percent(ls_costs, ref)
-                print(f"n={n} {variant} {decoding_name(alpha, k)}: {row['plan']}; {row['seconds_per_instance']:.1f} "
+                print(f"n={n} {variant} {decoding_name(row['distance_bias'], k)}: {row['plan']}; {row['seconds_per_instance']:.1f} "
                       f"s/inst, mean {row['mean_cost']:.4f}, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, "
                       f"{row['feasible']}/{row['instances']} feasible", flush=True)
                 if ls_costs is not None:
