@@ -478,6 +478,14 @@ def test_size_training_compares_arms_on_the_same_instances_with_their_training_c
         assert row["gap"] == pytest.approx((row["mean_cost"] - 4.0) / 4.0 * 100, rel=1e-6)
     assert plain["mean_cost"] != biased["mean_cost"]            # a near-greedy-by-distance decoder
     assert "| biased | 0.00 | 20.000 | 20 | CVRP | 1 |" in (tmp_path / "st.md").read_text()
+    # benchmarks/large_instances.py keeps a learned bias and refuses a constant one for it.
+    from mvmoe_jax.nn.policy import PolicyConfig
+    large = _benchmarks_module("large_instances")
+    learned = PolicyConfig(distance_bias=0.5, learned_distance_bias=True)
+    assert large.with_decoding(learned, 0.0, 7) == PolicyConfig(distance_bias=0.5, learned_distance_bias=True,
+                                                                 candidates=7)
+    with pytest.raises(SystemExit, match="learned its distance bias; give ALPHA 0"):
+        large.with_decoding(learned, 1.0, 0)
 
 
 def test_search_vs_time_runs_each_search_asked_at_each_limit_and_lists_sgbs_depths(monkeypatch):
