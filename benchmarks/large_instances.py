@@ -296,8 +296,9 @@ def main(argv=None) -> int:
                     row["gap"] = gap_percent(costs, ref)
                     if ls_costs is not None:
                         row["ls_gap"] = gap_percent(ls_costs, ref)
-                print(f"n={n} {variant} {decoding_name(row['distance_bias'], k)}: {row['plan']}; {row['seconds_per_instance']:.1f} "
-                      f"s/inst, mean {row['mean_cost']:.4f}, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, "
+                print(f"n={n} {variant} {decoding_name(row['distance_bias'], k)}: {row['plan']}; "
+                      f"{row['seconds_per_instance']:.1f} s/inst, mean {row['mean_cost']:.4f}, "
+                      f"peak {row['peak_rss_bytes'] / 2**30:.2f} GiB, "
                       f"{row['feasible']}/{row['instances']} feasible", flush=True)
                 if ls_costs is not None:
                     print(f"  + local search: {row['ls_seconds_per_instance']:.1f} s/inst, mean {row['ls_mean_cost']:.4f}, "

@@ -35,7 +35,8 @@ sys.path.insert(0, REPO)
 
 
 def parse_arm(text: str) -> dict:
-    """``LABEL=SOURCE[@EPOCH][:ALPHA]`` -> {"label", "source", "epoch" (None: latest), "alpha" (None: none given)}."""
+    """``LABEL=SOURCE[@EPOCH][:ALPHA]`` -> {"label", "source", "epoch", "alpha"} (epoch and alpha None where not
+    given)."""
     label, sep, rest = text.rpartition("=")
     if not sep or not label.strip() or not rest.strip():
         raise SystemExit(f"--arms item {text!r}: expected LABEL=SOURCE[@EPOCH][:ALPHA]")

@@ -289,9 +289,7 @@ def starting_weights(path: str | os.PathLike, cfg: PolicyConfig) -> dict:
     if not cfg.learned_distance_bias:
         return load_policy(path, cfg)[1]
     source_cfg, params = load_policy(path)
-    if source_cfg.learned_distance_bias:
-        check_params_fit(params["params"], cfg, os.fspath(path))
-        return params
-    params = {"params": {**params["params"], "distance_bias_alpha": jnp.float32(cfg.distance_bias)}}
+    if not source_cfg.learned_distance_bias:
+        params = {"params": {**params["params"], "distance_bias_alpha": jnp.float32(cfg.distance_bias)}}
     check_params_fit(params["params"], cfg, os.fspath(path))
     return params

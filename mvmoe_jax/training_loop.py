@@ -609,7 +609,7 @@ def _run(config, run: RunSettings, fns: StepFunctions, mngr, state: TrainState, 
                   "time": {"train_seconds": train_s, "instances_per_second": count / train_s,
                            "train_cpu_seconds": train_cpu_s}}
         if cfg.learned_distance_bias:
-            record["distance_bias_alpha"] = distance_bias_of(cfg, jax.device_get(state.params))
+            record["distance_bias_alpha"] = distance_bias_of(cfg, state.params)     # the scalar alone to the host
         _say(f"epoch {epoch}/{config.epochs}: score {record['train']['score']:.4f}  loss "
              f"{record['train']['loss']:.4f}  aux {record['train']['aux_loss']:.5f}  "
              f"{count / train_s:.1f} inst/s  ({train_s:.1f}s)"
